@@ -1,0 +1,70 @@
+"""Test helpers: tiny random models, the shared prompt sets, seeds that are printed on failure."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+SHARED_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
+
+
+def fresh_seed() -> int:
+    """A seed drawn fresh each run (or fixed with SLUICE_TEST_SEED); print it so a failure can be replayed."""
+    seed = int(os.environ.get("SLUICE_TEST_SEED", random.randrange(2**31)))
+    print(f"seed={seed} (replay with SLUICE_TEST_SEED={seed})")
+    return seed
+
+
+@functools.cache
+def smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from engine.loader import DEFAULT_MODEL, resolve_model
+
+    src = resolve_model(DEFAULT_MODEL)
+    return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+
+
+def make_tiny_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Llama (config + weights + SmolLM2's tokenizer) to ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    # Random init leaves logits nearly flat; a wider spread makes greedy choices clear-cut.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    smollm2_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_shared_prompts(n: int, kind: str = "vicuna_bench") -> list[str]:
+    """The first turn of ``n`` real prompts from ../shared, or skip where a clone has no ../shared."""
+    import pytest
+
+    f = SHARED_PROMPTS / f"{kind}.jsonl"
+    if not f.exists():
+        pytest.skip(f"{f} not found: the shared prompt sets sit beside the project root, not in a clone")
+    lines = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return [x["turns"][0] for x in lines[:n]]
