@@ -10,7 +10,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
 from helpers import make_tiny_model  # noqa: E402
 
 

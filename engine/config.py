@@ -1,0 +1,31 @@
+"""Engine settings: one plain dataclass, checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = the default SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = a default for the device
+    gpu_memory_utilization: float = 0.9  # CUDA: share of total memory the engine may hold
+    max_model_len: int | None = None  # None = the model's own limit
+    policy: str = "continuous"  # "static" exists only as the benchmark baseline
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")

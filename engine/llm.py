@@ -1,0 +1,321 @@
+"""The engine's front door: requests in, completions out, one scheduler step at a time. No Redis here."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class LLM:
+    """``LLM(model=None, **config)``: see ``EngineConfig`` for the settings."""
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = EngineConfig(model=model, **config)
+        self.device = _pick_device(self.config.device)
+        self.dtype = _pick_dtype(self.config.dtype, self.device)
+        hf = load_hf_model(model, self.dtype)
+        self.tokenizer = load_tokenizer(model)
+        self.hf_config = hf.config
+        max_len = _model_max_len(hf.config)
+        if self.config.max_model_len is not None:
+            max_len = min(max_len, self.config.max_model_len)
+        with torch.device(self.device):
+            net = LlamaForCausalLM(hf.config, max_positions=max_len).to(self.dtype)
+        net.load_hf_state_dict(hf.state_dict())
+        del hf
+        self.runner = ModelRunner(self.config, net.eval(), self.device, self.dtype)
+        num_blocks = self._num_blocks(max_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.max_model_len = min(max_len, num_blocks * self.config.block_size)
+        log.info("KV cache: %d blocks = %d tokens (%s, %s)", num_blocks, num_blocks * self.config.block_size,
+                 self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)
+        self.requests: dict[str, _RequestState] = {}
+        self._rejected: list[Completion] = []
+        self._seq_ids = itertools.count()
+        self._stop_ids: dict[int, set[int]] = {}  # per sequence: ids that min_tokens holds back
+        self.num_steps = 0
+        self.max_running_seen = 0
+
+    # ---- the numbers a puller needs -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def blocks_needed(self, request: Request) -> int:
+        """Blocks the request takes at its longest (prompt + max_tokens, for each of its n samples)."""
+        n_prompt = len(request.prompt_token_ids) if request.prompt_token_ids is not None else self._estimate_prompt(request)
+        return request.params.n * self.block_manager.blocks_for(n_prompt + request.params.max_tokens)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {
+            "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
+            "max_running": self.max_running_seen,
+            "num_blocks": self.num_total_blocks,
+        }
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that is malformed or can never fit comes back from the next ``step()``
+        as a Completion with finish_reason "error"; nothing else is affected."""
+        arrival = time.time()
+        try:
+            prompt_ids = self._prompt_ids(request)
+            self._check_fits(request, prompt_ids)
+        except ValueError as e:
+            self._rejected.append(_error_completion(request, str(e), arrival))
+            return
+        seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
+        self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Completion | None:
+        """Stop a request now and free its blocks; returns its partial completion."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+        return self._completion(state)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._rejected)
+
+    def step(self) -> list[Completion]:
+        """Run one iteration; return the requests that finished in it."""
+        done, self._rejected = self._rejected, []
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return done
+        self.num_steps += 1
+        self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
+        sampled = self.runner.run(batch, self._stop_ids)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        finished_requests: list[str] = []
+        now = time.time()
+        for seq, token, logprob in sampled:
+            self._append_token(seq, token, logprob, now)
+            if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id].seqs):
+                finished_requests.append(seq.request_id)
+        for rid in finished_requests:
+            done.append(self._completion(self.requests.pop(rid)))
+        return done
+
+    def generate(self, requests: Iterable[Request], progress: bool = False,
+                 on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Run requests to completion; results in input order. ``on_finish`` sees each as it finishes."""
+        order = []
+        for r in requests:
+            self.add_request(r)
+            order.append(r.request_id)
+        results: dict[str, Completion] = {}
+        bar = _progress_bar(len(order)) if progress else None
+        tokens, t0 = 0, time.time()
+        while self.has_unfinished():
+            for c in self.step():
+                results[c.request_id] = c
+                tokens += c.usage.completion_tokens
+                if on_finish is not None:
+                    on_finish(c)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{tokens / max(time.time() - t0, 1e-9):.0f} tok/s")
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+        elif request.messages is not None:
+            ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        elif request.prompt is not None:
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            raise ValueError("a request needs prompt, messages or prompt_token_ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _estimate_prompt(self, request: Request) -> int:
+        try:
+            return len(self._prompt_ids(request))
+        except ValueError:
+            return 1
+
+    def _check_fits(self, request: Request, prompt_ids: list[int]) -> None:
+        need = len(prompt_ids) + request.params.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {need} "
+                             f"exceeds max_model_len {self.max_model_len}")
+        blocks = self.block_manager.blocks_for(need)
+        if blocks > self.num_total_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks but the whole cache has {self.num_total_blocks}")
+
+    def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
+        p = request.params
+        seq = Sequence(next(self._seq_ids), request.request_id, index, list(prompt_ids), len(prompt_ids), p,
+                       arrival_time=arrival)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
+        if p.seed is not None:
+            seq.generator = torch.Generator().manual_seed(p.seed + index)
+        if p.logprobs is not None:
+            seq.logprobs = []
+        if p.min_tokens:
+            self._stop_ids[seq.seq_id] = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        return seq
+
+    def _append_token(self, seq: Sequence, token: int, logprob: Any, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        reason = None
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.detok is not None and seq.detok.stop and seq.detok.update(seq.token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.time()
+        self._stop_ids.pop(seq.seq_id, None)
+        if seq.detok is not None:
+            seq.detok.finish(seq.token_ids)
+
+    def _completion(self, state: _RequestState) -> Completion:
+        outs = [CompletionOutput(s.index, s.detok.text if s.detok else "", s.output_token_ids, s.finish_reason or "abort",
+                                 s.logprobs) for s in state.seqs]
+        firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
+        ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
+        usage = Usage(len(state.prompt_ids), sum(s.num_output_tokens for s in state.seqs),
+                      state.seqs[0].num_cached_tokens)
+        timings = Timings(state.arrival_time, min(firsts) if firsts else None, max(ends) if ends else time.time())
+        return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings)
+
+    def _num_blocks(self, max_len: int) -> int:
+        per_block = self.runner.bytes_per_block()
+        budget = self.runner.kv_budget_bytes()
+        blocks = budget // per_block
+        # No use holding more than every sequence at full length could fill.
+        blocks = min(blocks, self.config.max_num_seqs * -(-max_len // self.config.block_size))
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(blocks)
+
+
+def _error_completion(request: Request, message: str, arrival: float) -> Completion:
+    out = CompletionOutput(0, "", [], "error")
+    return Completion(request.request_id, [out], list(request.prompt_token_ids or []), Usage(),
+                      Timings(arrival, None, time.time()), error=message)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        except KeyError:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}") from None
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bfloat16 matmuls are several times faster than float32 on CPUs with AVX-512; elsewhere they crawl.
+    return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
+
+
+def _model_max_len(config: Any) -> int:
+    n = getattr(config, "max_position_embeddings", None) or 4096
+    window = getattr(config, "sliding_window", None)
+    # Attention here is full; cap at a sliding window so the model never sees past what it was trained on.
+    return min(n, window) if window else n
+
+
+def _eos_ids(config: Any, tokenizer: Any, model: str | None) -> set[int]:
+    ids: set[int] = set()
+    for v in (config.eos_token_id, tokenizer.eos_token_id, _generation_eos(model)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif v:
+            ids.update(v)
+    return ids
+
+
+def _generation_eos(model: str | None) -> Any:
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(dense_path(resolve_model(model))).eos_token_id
+    except (OSError, ValueError):
+        return None
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="generate")
+

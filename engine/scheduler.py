@@ -1,0 +1,112 @@
+"""Iteration-level FCFS scheduling with chunked prefill and preemption by recomputation.
+
+Each step spends a token budget: running sequences first (a decode costs one token, an unfinished
+prompt a chunk of it), then waiting sequences in arrival order while blocks, ``max_num_seqs`` and the
+budget allow. When a running sequence needs a block and none is free, the newest running sequence
+gives its blocks back and waits again at the head of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        preempted = self._schedule_running(batch, budget)
+        budget -= sum(batch.num_new_tokens)
+        if not preempted and self._may_admit():
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of the batch and free its blocks now, so a waiting one can start next step."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Schedule running sequences oldest first; returns whether anything was preempted."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Only sequences not yet scheduled this step are preempted: those after ``i``, or ``seq`` itself.
+            while not self.block_manager.allocate_slots(seq, num_new):
+                preempted = True
+                if self._preempt(self.running.pop()) is seq:
+                    break
+            else:
+                if num_new:
+                    batch.add(seq, num_new)
+                    budget -= num_new
+                i += 1
+        return preempted
+
+    def _may_admit(self) -> bool:
+        # The static baseline admits a cohort only once the previous cohort has wholly finished;
+        # a cohort still catching up on its prompts may keep filling.
+        if self.config.policy == "static":
+            return all(s.num_output_tokens == 0 for s in self.running)
+        return True
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = bm.match_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if not bm.can_admit(seq, hits, num_new):
+                break
+            bm.admit(seq, hits)
+            bm.allocate_slots(seq, num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq

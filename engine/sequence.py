@@ -1,0 +1,58 @@
+"""One sequence's state. As in vLLM V1, there is no prefill or decode phase: a sequence just has
+``num_computed_tokens`` catching up with ``len(token_ids)``; a step computes some of the gap."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt, then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None  # per-request RNG when seeded
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained prefix hash of each full block
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
