@@ -1,0 +1,216 @@
+"""Compile every kernel launch the wrappers make, ahead of time, for a GPU this machine need not have.
+
+The wrappers are called with CPU tensors while ``JITFunction.run`` is replaced by a recorder, so
+what gets compiled is exactly what a launch on the GPU would compile: triton's own binder works out
+the signature, the specialisations (strides of 1, 16-byte alignment) and the constexprs from the
+real arguments. Run it without ``TRITON_INTERPRET`` set (``@triton.jit`` picks the interpreter at
+import time)::
+
+    python -m kernels.aot --arch 90            # every case, cubin via the bundled ptxas
+    python -m kernels.aot --arch 90 --stage ptx
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
+
+
+@dataclass
+class Launch:
+    kernel: Any  # a triton JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class Result:
+    case: str
+    kernel: str
+    constexprs: dict[str, Any]
+    stage: str  # the last stage produced
+    seconds: float
+    shared: int | None  # bytes of shared memory
+    usage: str  # registers and spills (LOCAL > 0 means spilling), from cuobjdump; "" before cubin
+
+
+@contextmanager
+def recording_launches() -> Iterator[list[Launch]]:
+    """Within the block, kernel launches are recorded instead of run."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+
+
+def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(name, call) for each configuration whose constexprs differ; the calls only record launches."""
+    from kernels.kv_write import store_kvcache
+    from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+    # (query heads, KV heads, head_dim, block_size): GQA groups 1/3/4/8, head dims 64/128.
+    shapes = [(4, 4, 64, 16), (9, 3, 64, 16), (32, 8, 64, 16), (32, 4, 128, 32)]
+    lens = torch.tensor([5, 100], dtype=torch.int32)
+    block_tables = torch.zeros(2, 8, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 2, 7], dtype=torch.int32)
+    for hq, hkv, d, bs in shapes:
+        tag = f"hq{hq}-hkv{hkv}-d{d}-bs{bs}"
+        kc, vc = _rand(8, bs, hkv, d, dtype=dtype), _rand(8, bs, hkv, d, dtype=dtype)
+        k, v = _rand(3, hkv, d, dtype=dtype), _rand(3, hkv, d, dtype=dtype)
+        yield f"kv_write-{tag}", partial(store_kvcache, k, v, kc, vc, torch.tensor([0, -1, 7]))
+        q = _rand(2, hq, d, dtype=dtype)
+        for splits in (1, 4):
+            yield (
+                f"decode-s{splits}-{tag}",
+                partial(paged_decode_attention, q, kc, vc, block_tables, lens, 0.125, splits),
+            )
+        qp = _rand(7, hq, d, dtype=dtype)
+        call = partial(paged_prefill_attention, qp, kc, vc, block_tables, query_start_loc, lens, 5, 0.125)
+        yield f"prefill-{tag}", call
+
+
+def compile_launch(launch: Launch, arch: int, stage: str) -> tuple[Any, dict[str, Any]]:
+    """Compile one recorded launch for ``cuda:arch`` as triton's JIT would, up to ``stage``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    fn = launch.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, bound, specialization, options
+    )
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    opts = options.__dict__
+    if stage != "cubin":
+        # Stop early by compiling to an IR file target: triton.compile runs every stage, so drop the later ones.
+        return _compile_until(src, target, opts, stage), _named(fn, constexprs)
+    return triton.compile(src, target=target, options=opts), _named(fn, constexprs)
+
+
+def _compile_until(src: Any, target: Any, opts: dict[str, Any], stage: str) -> Any:
+    """``triton.compile`` with the backend's stages after ``stage`` removed (for hosts without ptxas)."""
+    import triton
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    original = CUDABackend.add_stages
+
+    def add_stages(self: Any, stages: dict[str, Any], options: Any, language: Any) -> None:
+        original(self, stages, options, language)
+        for name in list(stages)[list(stages).index(stage) + 1 :]:
+            del stages[name]
+
+    CUDABackend.add_stages = add_stages  # type: ignore[method-assign]
+    try:
+        return triton.compile(src, target=target, options=opts)
+    finally:
+        CUDABackend.add_stages = original  # type: ignore[method-assign]
+
+
+def _named(fn: Any, constexprs: dict[tuple[int, ...], Any]) -> dict[str, Any]:
+    return {fn.arg_names[path[0]]: value for path, value in constexprs.items()}
+
+
+def run(arch: int, stage: str, dtypes: list[str], only: str | None = None) -> list[Result]:
+    results = []
+    for dname in dtypes:
+        for case, call in _cases(DTYPES[dname]):
+            if only and only not in case:
+                continue
+            with recording_launches() as launches:
+                call()
+            assert launches, f"{case} launched nothing"
+            for launch in launches:
+                t0 = time.perf_counter()
+                compiled, constexprs = compile_launch(launch, arch, stage)
+                md = compiled.metadata
+                results.append(
+                    Result(
+                        case=f"{dname}/{case}",
+                        kernel=launch.kernel.__name__,
+                        constexprs=constexprs,
+                        stage=_last_stage(compiled.asm),
+                        seconds=time.perf_counter() - t0,
+                        shared=getattr(md, "shared", None),
+                        usage=resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else "",
+                    )
+                )
+    return results
+
+
+def resource_usage(cubin: bytes) -> str:
+    """``REG:n STACK:n ... LOCAL:n`` of the cubin's kernel, read with the cuobjdump triton bundles."""
+    import triton.backends.nvidia
+
+    tool = os.path.join(triton.backends.nvidia.__path__[0], "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if "REG:" in x), "")
+    return " ".join(x for x in line.split() if x.split(":")[0] in ("REG", "STACK", "LOCAL"))
+
+
+def _last_stage(asm: dict[str, Any]) -> str:
+    return [s for s in STAGES if s in asm][-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--stage", choices=STAGES, default="cubin")
+    parser.add_argument("--dtypes", default="fp32,fp16,bf16")
+    parser.add_argument("--only", help="compile only the cases whose name contains this")
+    parser.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter cannot compile", file=sys.stderr)
+        return 2
+    results = run(args.arch, args.stage, args.dtypes.split(","), args.only)
+    for r in results:
+        if args.json:
+            print(json.dumps(dataclasses.asdict(r), default=str))
+            continue
+        print(
+            f"OK {r.case:40s} {r.kernel:24s} stage={r.stage:5s} {r.seconds:5.1f}s "
+            f"{r.usage} shared={r.shared} {r.constexprs}"
+        )
+    print(f"compiled {len(results)} kernels for sm_{args.arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

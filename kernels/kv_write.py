@@ -1,0 +1,89 @@
+"""Write a step's new K/V into the paged cache: one program per token, all KV heads at once."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    HEAD_DIM: tl.constexpr,
+    NUM_ELEMS: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,  # next power of two >= NUM_ELEMS
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    idx = tl.arange(0, BLOCK)
+    # Slot -1 marks a padded token: masking both sides moves no memory for it.
+    ok = (idx < NUM_ELEMS) & (slot >= 0)
+    head = idx // HEAD_DIM
+    dim = idx % HEAD_DIM
+    # int64 throughout: block * stride overflows int32 once a cache holds 2**31 elements.
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    k = tl.load(key_ptr + t * stride_kt + head * stride_kh + dim * stride_kd, mask=ok)
+    v = tl.load(value_ptr + t * stride_vt + head * stride_vh + dim * stride_vd, mask=ok)
+    k_dst = block * stride_cb + in_block * stride_cs + head * stride_ch + dim * stride_cd
+    v_dst = block * stride_vcb + in_block * stride_vcs + head * stride_vch + dim * stride_vcd
+    tl.store(k_cache_ptr + k_dst, k, mask=ok)
+    tl.store(v_cache_ptr + v_dst, v, mask=ok)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the slots ``slot_mapping[T]`` (int64; -1 = skip).
+
+    The caches are ``[num_blocks, block_size, Hkv, D]``; any strides are accepted, so ``key`` may be
+    a view into a fused QKV projection.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, (value.shape, key.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
+    assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
+    assert key.dtype == k_cache.dtype and value.dtype == v_cache.dtype, (key.dtype, k_cache.dtype)
+    if num_tokens == 0:
+        return
+    elems = num_kv_heads * head_dim
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        HEAD_DIM=head_dim,
+        NUM_ELEMS=elems,
+        BLOCK=triton.next_power_of_2(elems),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if elems >= 512 else 1,
+    )

@@ -1,0 +1,425 @@
+"""Attention over the paged KV cache: split-K decode ("flash decoding") and packed varlen prefill.
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``i`` of a sequence sits in
+block ``block_table[i // block_size]`` at row ``i % block_size``. Both kernels gather a tile of
+``BLOCK_N`` tokens through the block table, so the tile size does not depend on the cache's
+block size. Cache offsets are int64: ``block * stride`` overflows int32 in a big cache.
+
+Softmax runs in base 2 (``exp2`` with the scale folded into ``log2(e) * scale``), accumulating in
+float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64  # tokens per decode tile
+PREFILL_BLOCK_M = 64  # (query token, head) rows per prefill program
+PREFILL_BLOCK_N = 64  # key tokens per prefill tile
+MIN_TOKENS_PER_SPLIT = 256  # a shorter split costs more in its merge than it gains in parallelism
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    bt_row_ptr,
+    pos,
+    pos_ok,
+    kv_head,
+    dims,
+    dim_ok,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_d,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0)."""
+    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    ptrs = cache_ptr + row[:, None] + dims[None, :] * stride_d
+    return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    scale_log2,
+    tokens_per_split,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a dot-friendly size (>= 16)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,  # a single split: write the normalised output, no partials
+):
+    """One (sequence, KV head, split): all GROUP query heads share each K/V tile that is loaded."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)  # end <= start: an empty split
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        k = _load_kv_tile(
+            k_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE,
+        )  # fmt: skip
+        v = _load_kv_tile(
+            v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
+            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if DIRECT:
+        # One split is the whole answer: normalise here and skip the merge kernel.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dim_ok[None, :])
+    else:
+        # Partials are contiguous [B, Hq, num_splits] and [B, Hq, num_splits, HEAD_DIM].
+        part = (b * num_q_heads + heads) * num_splits + split
+        tl.store(m_part_ptr + part, m_i, mask=g_ok)
+        tl.store(l_part_ptr + part, l_i, mask=g_ok)
+        a_ptrs = acc_part_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(a_ptrs, acc, mask=g_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
+):
+    """Combine one (sequence, query head)'s split partials by log-sum-exp."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = b * tl.num_programs(1) + head
+    splits = tl.arange(0, BLOCK_S)
+    s_ok = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+
+    part = row * num_splits + splits
+    m = tl.load(m_part_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(l_part_ptr + part, mask=s_ok, other=0.0)
+    a_ptrs = acc_part_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+    acc = tl.load(a_ptrs, mask=s_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no tokens at all: avoid -inf - -inf
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(w * l_s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + dims * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query tile, sequence, KV head).
+
+    The tile's rows are (query token, query head) pairs, GROUP heads per token, so the heads that
+    share a KV head share every K/V tile loaded: short queries over a long context stay cheap.
+    """
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    tok0 = tile * TOKENS
+    if tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len  # tokens before this step's first query
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (tok < q_len)
+    q_pos = ctx_len + tok  # absolute position: causal bound per row
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys up to the tile's last query position, inclusive.
+    kv_end = ctx_len + tl.minimum(tok0 + TOKENS, q_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for kv_tile in range(0, kv_end, BLOCK_N):
+        pos = kv_tile + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        k = _load_kv_tile(
+            k_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE,
+        )  # fmt: skip
+        v = _load_kv_tile(
+            v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
+            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough splits to fill the GPU about twice over, but none shorter than MIN_TOKENS_PER_SPLIT."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 132  # an H100/H200 otherwise
+    programs = batch * num_kv_heads
+    if programs >= sms:
+        return 1
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, 64))
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """Return (GROUP, block_size) after checking that q and the caches agree."""
+    num_q_heads, head_dim = q.shape[1:]
+    assert k_cache.shape == v_cache.shape and k_cache.dim() == 4, (k_cache.shape, v_cache.shape)
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    return num_q_heads // num_kv_heads, k_cache.shape[1]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[b]`` cached tokens.
+
+    The context is cut into ``num_splits`` equal ranges sized by the block table's capacity (so no
+    host sync on ``seq_lens``); ranges past a sequence's end are empty and weigh nothing in the merge.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    group, block_size = _check_cache(q, k_cache, v_cache)
+    num_kv_heads = k_cache.shape[2]
+    assert block_tables.shape[0] == batch and seq_lens.shape == (batch,), (block_tables.shape, seq_lens.shape)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = pick_num_splits(batch, num_kv_heads, max_context, q.device)
+    assert num_splits >= 1, num_splits
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits == 1:
+        m_part = l_part = acc_part = out  # unused: the kernel writes `out` directly
+    else:
+        f32 = dict(device=q.device, dtype=torch.float32)
+        m_part = torch.empty(batch, num_q_heads, num_splits, **f32)
+        l_part = torch.empty(batch, num_q_heads, num_splits, **f32)
+        acc_part = torch.empty(batch, num_q_heads, num_splits, head_dim, **f32)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        m_part,
+        l_part,
+        acc_part,
+        scale * LOG2E,
+        tokens_per_split,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N,
+        DIRECT=num_splits == 1,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_q_heads)](
+            out,
+            m_part,
+            l_part,
+            acc_part,
+            num_splits,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for packed queries ``q [T, Hq, D]``, every key read from the cache.
+
+    Sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b + 1]``: its last ``query_len``
+    positions out of ``seq_lens[b]``, so a cached prefix or an earlier prefill chunk is attended to.
+    """
+    group, block_size = _check_cache(q, k_cache, v_cache)
+    batch = seq_lens.shape[0]
+    assert query_start_loc.shape == (batch + 1,), (query_start_loc.shape, batch)
+    out = torch.empty_like(q)
+    if batch == 0 or max_query_len == 0:
+        return out
+    head_dim = q.shape[2]
+    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    grid = (triton.cdiv(max_query_len, block_m // group), batch, k_cache.shape[2])
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=4,
+    )
+    return out
