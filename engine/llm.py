@@ -199,12 +199,12 @@ class LLM:
 
     def _check_fits(self, request: Request, prompt_ids: list[int]) -> None:
         need = len(prompt_ids) + request.params.max_tokens
-        if need > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {need} "
-                             f"exceeds max_model_len {self.max_model_len}")
         blocks = self.block_manager.blocks_for(need)
         if blocks > self.num_total_blocks:
             raise ValueError(f"request needs {blocks} KV blocks but the whole cache has {self.num_total_blocks}")
+        if need > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {need} "
+                             f"exceeds max_model_len {self.max_model_len}")
 
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
         p = request.params

@@ -32,9 +32,9 @@ def smollm2_tokenizer() -> Any:
 def make_tiny_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """Save a tiny random Llama (config + weights + SmolLM2's tokenizer) to ``path``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -48,7 +48,7 @@ def make_tiny_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
     )
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg))
     # Random init leaves logits nearly flat; a wider spread makes greedy choices clear-cut.
     with torch.no_grad():
         for p in model.parameters():
@@ -68,3 +68,32 @@ def load_shared_prompts(n: int, kind: str = "vicuna_bench") -> list[str]:
         pytest.skip(f"{f} not found: the shared prompt sets sit beside the project root, not in a clone")
     lines = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
     return [x["turns"][0] for x in lines[:n]]
+
+
+def random_prompts(rng: random.Random, n: int, min_len: int = 1, max_len: int = 60, vocab: int = 49152) -> list[list[int]]:
+    """Prompts of mixed lengths, avoiding the low ids where SmolLM2's special tokens sit."""
+    return [[rng.randrange(20, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on one unpadded prompt: the reference."""
+    import torch
+
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches(hf: Any, prompt: list[int], ours: list[int], ref: list[int], tol: float = 1e-4) -> None:
+    """Token-identical, or else the first difference is a genuine near-tie in the reference's logits."""
+    import torch
+
+    if ours == ref:
+        return
+    t = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
+    assert t < min(len(ours), len(ref)), f"lengths differ without a differing token: {len(ours)} vs {len(ref)}"
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ref[:t]])).logits[0, -1].double()
+    gap = abs(float(logits[ours[t]] - logits[ref[t]]))
+    assert gap <= tol, (f"token {t} differs: ours {ours[t]} vs reference {ref[t]}, logit gap {gap:.3g} > {tol} "
+                        f"(not a near-tie)\nours={ours}\nref ={ref}")
