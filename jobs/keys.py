@@ -1,0 +1,142 @@
+"""Every Redis key name the job plane uses; nothing else spells them.
+
+Sharding: everything about one batch carries the hash tag ``{<batch_id>}`` (its job streams, their
+consumer group, meta and counters, results, dead letters), so the one atomic write per completion
+(result + counters + results stream + XACK) touches a single Redis Cluster slot, and batches spread
+over the cluster. The few keys outside a batch (the batch index, each model's list of active job
+streams, cancel events, worker heartbeats) are small and are never part of an atomic write.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+PREFIX = "sluice"
+GROUP = "workers"  # the consumer group on every job stream
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
+def queue_name(model: str | None) -> str:
+    """The name a model's jobs are queued under: the model string as given, None -> "default"."""
+    name = model or "default"
+    # Braces would be read as a hash tag by Redis Cluster.
+    return name.replace("{", "(").replace("}", ")")
+
+
+def check_batch_id(batch_id: str) -> str:
+    if not batch_id or any(c in batch_id for c in "{}: \n"):
+        raise ValueError(f"bad batch id {batch_id!r}")
+    return batch_id
+
+
+# ---- one batch: all under the hash tag {batch_id} -------------------------------------------------
+def _b(batch_id: str, what: str) -> str:
+    return f"{PREFIX}:{{{batch_id}}}:{what}"
+
+
+def meta(batch_id: str) -> str:
+    """Hash: status, model, timestamps, counters (total, completed, failed, cancelled, expired, invalid)."""
+    return _b(batch_id, "meta")
+
+
+def jobs(batch_id: str, priority: int) -> str:
+    """Stream of the batch's jobs at one priority, with consumer group GROUP."""
+    return _b(batch_id, f"jobs:{priority}")
+
+
+def done(batch_id: str) -> str:
+    """Hash: job idx -> id of its entry in ``results``; a job's presence here means it has its outcome."""
+    return _b(batch_id, "done")
+
+
+def results(batch_id: str) -> str:
+    """Stream of results in completion order (fields: i = job idx, r = Result JSON)."""
+    return _b(batch_id, "results")
+
+
+def dead(batch_id: str) -> str:
+    """Dead-letter stream: jobs delivered too often (fields: i, job, error, deliveries)."""
+    return _b(batch_id, "dead")
+
+
+def line_errors(batch_id: str) -> str:
+    """List of rejected input lines (LineErrorInfo JSON)."""
+    return _b(batch_id, "line_errors")
+
+
+def custom_ids(batch_id: str) -> str:
+    """Hash: custom_id -> job idx."""
+    return _b(batch_id, "cids")
+
+
+def job_custom_ids(batch_id: str) -> str:
+    """Hash: job idx -> custom_id (for outcomes written without the job at hand: cancel, expiry)."""
+    return _b(batch_id, "jcids")
+
+
+def last_errors(batch_id: str) -> str:
+    """Hash: job idx -> the last error a worker hit running it (for the dead letter)."""
+    return _b(batch_id, "last_errors")
+
+
+def deadlines(batch_id: str) -> str:
+    """Sorted set: job idx scored by its deadline (only jobs that have one)."""
+    return _b(batch_id, "deadlines")
+
+
+def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
+    return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
+            custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
+            *(jobs(batch_id, p) for p in priorities)]
+
+
+def parse_jobs_key(key: str) -> tuple[str, int]:
+    """``jobs(batch_id, priority)`` -> (batch_id, priority)."""
+    return key[key.index("{") + 1: key.index("}")], int(key.rpartition(":")[2])
+
+
+# ---- global: small, never inside an atomic write --------------------------------------------------
+def all_batches() -> str:
+    """Sorted set: every batch id by creation time."""
+    return f"{PREFIX}:batches"
+
+
+def open_batches() -> str:
+    """Sorted set: batches not yet in a final state, by creation time (housekeeping walks these)."""
+    return f"{PREFIX}:batches:open"
+
+
+def finished_batches() -> str:
+    """Sorted set: batches in a final state, by the time they got there (for the results TTL)."""
+    return f"{PREFIX}:batches:finished"
+
+
+def active_streams(queue: str) -> str:
+    """Sorted set: a model's job streams that may still hold work; lower score is pulled first."""
+    return f"{PREFIX}:queue:{queue}:streams"
+
+
+def cancels(queue: str) -> str:
+    """Stream of cancel events for a model's workers (fields: b = batch id, i = job idx or "")."""
+    return f"{PREFIX}:queue:{queue}:cancels"
+
+
+def heartbeat(worker_id: str) -> str:
+    """String with a TTL: present while the worker lives."""
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def worker_pattern() -> str:
+    return f"{PREFIX}:worker:*"
+
+
+def housekeeping_lock() -> str:
+    return f"{PREFIX}:lock:housekeeping"
+
+
+def stream_score(priority: int, created_at: float) -> float:
+    """Higher priority first, then older batches first."""
+    return -priority * 1e10 + created_at

@@ -1,0 +1,135 @@
+"""The job plane's atomic writes, as Lua scripts. Each touches only keys of one batch (one hash tag).
+
+The invariant they keep: a job gets exactly one outcome. ``done`` (job idx -> results entry) is
+checked first in every write, so a redelivered job, a cancel racing a completion, or a retried
+write after a lost reply never overwrites a result nor counts it twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from jobs import keys
+
+# Moves a batch to its final state once every job has an outcome; shared by the scripts below.
+_FINISH = """
+local function finish_if_done(meta, now)
+  local m = redis.call('HMGET', meta, 'status', 'total', 'completed', 'failed', 'cancelled', 'expired')
+  local total = tonumber(m[2]) or 0
+  local n = (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0) + (tonumber(m[5]) or 0) + (tonumber(m[6]) or 0)
+  if total == 0 or n < total then return '' end
+  if m[1] == 'in_progress' then
+    redis.call('HSET', meta, 'status', 'completed', 'finalizing_at', now, 'completed_at', now)
+    return 'completed'
+  elseif m[1] == 'cancelling' then
+    redis.call('HSET', meta, 'status', 'cancelled', 'cancelled_at', now)
+    return 'cancelled'
+  elseif m[1] == 'expired' then
+    return 'expired'
+  end
+  return ''
+end
+"""
+
+# KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead
+# ARGV: idx, status, result JSON, stream entry id to ack ('' for none), dead-letter JSON ('' for none),
+#       now, group
+# -> {1 if this write gave the job its outcome else 0, final batch status reached or ''}
+RECORD = _FINISH + """
+local fresh = 0
+local fin = ''
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+  local rid = redis.call('XADD', KEYS[3], '*', 'i', ARGV[1], 'r', ARGV[3])
+  redis.call('HSET', KEYS[2], ARGV[1], rid)
+  redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+  if ARGV[5] ~= '' then
+    redis.call('XADD', KEYS[5], '*', 'i', ARGV[1], 'd', ARGV[5])
+  end
+  fresh = 1
+  fin = finish_if_done(KEYS[1], ARGV[6])
+end
+if ARGV[4] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[7], ARGV[4])
+  redis.call('XDEL', KEYS[4], ARGV[4])
+end
+return {fresh, fin}
+"""
+
+# Gives every listed job that has no outcome yet the outcome ARGV[1] (cancelled | expired).
+# KEYS: meta, done, results, job idx -> custom_id hash
+# ARGV: status, error code, error message, now, batch id, idx...
+# -> {number of outcomes written, final batch status reached or ''}
+SWEEP = _FINISH + """
+local written = 0
+for i = 6, #ARGV do
+  local idx = ARGV[i]
+  if redis.call('HEXISTS', KEYS[2], idx) == 0 then
+    local cid = redis.call('HGET', KEYS[4], idx) or ''
+    local r = cjson.encode({job_id = ARGV[5] .. ':' .. idx, custom_id = cid, batch_id = ARGV[5],
+      idx = tonumber(idx), status = ARGV[1], error = {code = ARGV[2], message = ARGV[3]},
+      timings = {finished = tonumber(ARGV[4])}})
+    local rid = redis.call('XADD', KEYS[3], '*', 'i', idx, 'r', r)
+    redis.call('HSET', KEYS[2], idx, rid)
+    redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+    written = written + 1
+  end
+end
+return {written, finish_if_done(KEYS[1], ARGV[4])}
+"""
+
+# KEYS: meta; ARGV: now -> final batch status reached or ''
+FINISH = _FINISH + "return finish_if_done(KEYS[1], ARGV[1])"
+
+# Moves a batch from one of the listed states to a new one, stamping a time field.
+# KEYS: meta; ARGV: new status, time field, now, allowed old status... -> the old status
+TRANSITION = """
+local old = redis.call('HGET', KEYS[1], 'status')
+if not old then return false end
+for i = 4, #ARGV do
+  if old == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
+    return old
+  end
+end
+return old
+"""
+
+
+# Appends a chunk of jobs to one job stream with their custom_id <-> idx maps, atomically, so the
+# maps and the stream never disagree. KEYS: stream, custom_id -> idx hash, idx -> custom_id hash
+# ARGV: (job JSON, custom_id, idx) per job
+ENQUEUE = """
+for i = 1, #ARGV, 3 do
+  redis.call('XADD', KEYS[1], '*', 'j', ARGV[i])
+  redis.call('HSET', KEYS[2], ARGV[i + 1], ARGV[i + 2])
+  redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 1])
+end
+return #ARGV / 3
+"""
+
+
+class Scripts:
+    """The scripts registered on one client (redis-py reloads them after a server restart)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.enqueue = r.register_script(ENQUEUE)
+        self.record = r.register_script(RECORD)
+        self.sweep = r.register_script(SWEEP)
+        self.finish = r.register_script(FINISH)
+        self.transition = r.register_script(TRANSITION)
+
+
+def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,
+          client: Any = None) -> tuple[int, str]:
+    """Outcome ``status`` for each job of ``idxs`` that has none; (written, final status or '')."""
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id)]
+    written, fin = s.sweep(keys=ks, args=[status, code, message, now, batch_id, *idxs], client=client)
+    return int(written), fin or ""
+
+
+def transition(s: Scripts, batch_id: str, new: str, time_field: str, now: float, allowed: tuple[str, ...],
+               client: Any = None) -> str | None:
+    """Set status ``new`` if the batch is in one of ``allowed``; returns the old status (None: no batch)."""
+    return s.transition(keys=[keys.meta(batch_id)], args=[new, time_field, now, *allowed], client=client)

