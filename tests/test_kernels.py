@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,3 +354,31 @@ def test_triton_attention_backend(rng: random.Random, decode_only: bool) -> None
     assert torch.equal(k_cache.view(-1, hkv, d)[meta.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, hkv, d)[meta.slot_mapping], v)
     assert_close(out, reference(q, k_cache, v_cache, tables, lens, qlens, 0.125), dtype)
+
+
+def test_engine_with_triton_backend_matches_transformers(rng: random.Random, tiny_model_dir: Path) -> None:
+    """The whole engine on the kernels (interpreted): greedy tokens as transformers', through chunked
+    prefill (a small token budget splits the prompts), mixed steps and pure decode steps."""
+    from helpers import assert_greedy_matches, hf_greedy, random_prompts
+    from transformers import AutoModelForCausalLM
+
+    from engine.llm import LLM
+    from engine.outputs import Request
+    from engine.sampling_params import SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(rng, 6, 1, 60)
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        attention_backend="triton",
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=64,
+    )
+    reqs = [
+        Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=12))
+        for i, p in enumerate(prompts)
+    ]
+    for p, c in zip(prompts, llm.generate(reqs), strict=True):
+        assert c.error is None
+        assert_greedy_matches(hf, p, c.token_ids, hf_greedy(hf, p, 12))
