@@ -57,26 +57,57 @@ end
 return {fresh, fin}
 """
 
+# An outcome built here, for a job without one (cancel, expiry): no worker holds its Result.
+_OUTCOME = """
+local function bare_outcome(meta, done, results, jcids, idx, status, code, msg, now, bid)
+  if redis.call('HEXISTS', done, idx) == 1 then return 0 end
+  local cid = redis.call('HGET', jcids, idx) or ''
+  local r = cjson.encode({job_id = bid .. ':' .. idx, custom_id = cid, batch_id = bid, idx = tonumber(idx),
+    status = status, error = {code = code, message = msg}, timings = {finished = tonumber(now)}})
+  local rid = redis.call('XADD', results, '*', 'i', idx, 'r', r)
+  redis.call('HSET', done, idx, rid)
+  redis.call('HINCRBY', meta, status, 1)
+  return 1
+end
+"""
+
 # Gives every listed job that has no outcome yet the outcome ARGV[1] (cancelled | expired).
 # KEYS: meta, done, results, job idx -> custom_id hash
 # ARGV: status, error code, error message, now, batch id, idx...
 # -> {number of outcomes written, final batch status reached or ''}
-SWEEP = _FINISH + """
+SWEEP = _FINISH + _OUTCOME + """
 local written = 0
 for i = 6, #ARGV do
-  local idx = ARGV[i]
-  if redis.call('HEXISTS', KEYS[2], idx) == 0 then
-    local cid = redis.call('HGET', KEYS[4], idx) or ''
-    local r = cjson.encode({job_id = ARGV[5] .. ':' .. idx, custom_id = cid, batch_id = ARGV[5],
-      idx = tonumber(idx), status = ARGV[1], error = {code = ARGV[2], message = ARGV[3]},
-      timings = {finished = tonumber(ARGV[4])}})
-    local rid = redis.call('XADD', KEYS[3], '*', 'i', idx, 'r', r)
-    redis.call('HSET', KEYS[2], idx, rid)
-    redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-    written = written + 1
-  end
+  written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[i], ARGV[1], ARGV[2], ARGV[3],
+                                   ARGV[4], ARGV[5])
 end
 return {written, finish_if_done(KEYS[1], ARGV[4])}
+"""
+
+# Expires jobs whose deadline passed before any worker started them. A worker starting a job takes
+# it out of ``deadlines`` first (ZREM), so a job is either started or expired, never both.
+# KEYS: meta, done, results, job idx -> custom_id hash, deadlines
+# ARGV: now, batch id, at most this many -> {number expired, final batch status or '', number due}
+EXPIRE_DUE = _FINISH + _OUTCOME + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local written = 0
+for _, idx in ipairs(due) do
+  redis.call('ZREM', KEYS[5], idx)
+  written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], KEYS[4], idx, 'expired', 'deadline_exceeded',
+                                   'the deadline passed before the job started', ARGV[1], ARGV[2])
+end
+return {written, finish_if_done(KEYS[1], ARGV[1]), #due}
+"""
+
+# Puts a delivered job back at the end of its stream for any worker (a draining worker's leftovers),
+# carrying the attempts it already had. KEYS: stream; ARGV: entry id, group, job JSON, attempts
+REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[2], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'j', ARGV[3], 'a', ARGV[4])
+  redis.call('XDEL', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
 """
 
 # KEYS: meta; ARGV: now -> final batch status reached or ''
@@ -117,6 +148,8 @@ class Scripts:
         self.enqueue = r.register_script(ENQUEUE)
         self.record = r.register_script(RECORD)
         self.sweep = r.register_script(SWEEP)
+        self.expire_due = r.register_script(EXPIRE_DUE)
+        self.requeue = r.register_script(REQUEUE)
         self.finish = r.register_script(FINISH)
         self.transition = r.register_script(TRANSITION)
 
