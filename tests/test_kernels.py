@@ -18,6 +18,8 @@ from engine.attention import AttentionMetadata
 from engine.triton_attention import TritonAttention
 from kernels.kv_write import store_kvcache
 from kernels.paged_attention import DECODE_BLOCK_N, paged_decode_attention, paged_prefill_attention
+from kernels.reference import paged_attention_reference as reference
+from kernels.reference import relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 F32, F16 = torch.float32, torch.float16
@@ -68,46 +70,10 @@ def random_cache(
     return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
 
 
-# ---- the reference -------------------------------------------------------------------------------
-
-
-def gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n tokens of a sequence, ``[n, Hkv, D]`` in float64, read through its block table."""
-    blocks = table[: cdiv(n, cache.shape[1])].long()
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:n].double()
-
-
-def reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    tables: torch.Tensor,
-    seq_lens: list[int],
-    query_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Float64 causal attention: query j of sequence b sits at position seq_len - query_len + j."""
-    group = q.shape[1] // k_cache.shape[2]
-    out, row = [], 0
-    for b, (n, m) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        k = gather(k_cache, tables[b], n).repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
-        v = gather(v_cache, tables[b], n).repeat_interleave(group, 1).transpose(0, 1)
-        qb = q[row : row + m].double().transpose(0, 1)  # [Hq, m, D]
-        visible = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=scale)
-        out.append(o.transpose(0, 1))
-        row += m
-    return torch.cat(out)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
-
-
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert out.dtype == dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e}"
 
 
