@@ -33,6 +33,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # Blocks leave the free list in id order until each has been used once, so the ids below this
+        # mark are exactly the blocks ever handed out (the runner zeroes fresh cache memory lazily).
+        self.num_touched = 0
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... and found there
 
@@ -99,6 +102,7 @@ class BlockManager:
             self._take(block_id)
             self._forget(block_id)
             seq.block_table.append(block_id)
+            self.num_touched = max(self.num_touched, block_id + 1)
         if self.enable_prefix_caching:
             self._publish_full_blocks(seq, total)
         return True

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -45,8 +45,7 @@ class LLM:
         max_len = _model_max_len(hf.config)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
-        with torch.device(self.device):
-            net = LlamaForCausalLM(hf.config, max_positions=max_len).to(self.dtype)
+        net = build_model(hf.config, max_len, self.device, self.dtype)
         net.load_hf_state_dict(hf.state_dict())
         del hf
         self.runner = ModelRunner(self.config, net.eval(), self.device, self.dtype)
@@ -135,7 +134,7 @@ class LLM:
             return done
         self.num_steps += 1
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
-        sampled = self.runner.run(batch, self._stop_ids)
+        sampled = self.runner.run(batch, self._stop_ids, self.block_manager.num_touched)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         finished_requests: list[str] = []

@@ -47,17 +47,27 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (num_blocks, self.block_size, m.config.num_key_value_heads, m.head_dim)
-        # Zeroed: masked-out key slots are still multiplied by a zero probability, and 0 * NaN is NaN.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device))
             for _ in m.layers
         ]
+        self.num_zeroed_blocks = 0
+
+    def zero_fresh_blocks(self, num_touched: int) -> None:
+        """Zero blocks on first use rather than all at start-up (touching gigabytes takes seconds):
+        masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN."""
+        if num_touched > self.num_zeroed_blocks:
+            for k, v in self.kv_caches:
+                k[self.num_zeroed_blocks : num_touched].zero_()
+                v[self.num_zeroed_blocks : num_touched].zero_()
+            self.num_zeroed_blocks = num_touched
 
     def _cuda_free_after_warmup(self) -> int:
         """What is left of ``gpu_memory_utilization`` after a forward pass at the largest step."""
         n = self.config.max_num_batched_tokens
         blocks = -(-n // self.block_size)
         self.allocate_kv_cache(blocks)
+        self.zero_fresh_blocks(blocks)
         torch.cuda.reset_peak_memory_stats()
         seq_lens = torch.tensor([n], dtype=torch.int32)
         meta = AttentionMetadata(
@@ -80,9 +90,11 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, stop_ids: dict[int, set[int]]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def run(self, batch: ScheduledBatch, stop_ids: dict[int, set[int]],
+            num_touched_blocks: int) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """Compute the batch's new tokens; return (sequence, sampled token, logprob) for each sequence
         whose prompt is now wholly computed, i.e. that produces a token this step."""
+        self.zero_fresh_blocks(num_touched_blocks)
         input_ids, positions, meta, last_rows, samplers = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not samplers:

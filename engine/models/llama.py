@@ -176,3 +176,16 @@ class LlamaForCausalLM(nn.Module):
                 fused[offset : offset + tensor.shape[0]].copy_(tensor)
             else:
                 own[name].copy_(tensor)
+
+
+def build_model(config: Any, max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """An uninitialised model on ``device``: built on the meta device, since random init of weights that
+    are about to be overwritten takes seconds."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(config, max_positions)
+    net = net.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    with torch.device(device):
+        net.rotary = Rotary(config, net.head_dim, max_positions)
+    return net

@@ -1,0 +1,112 @@
+"""``sluice generate``: a JSONL file through the engine in-process, no Redis.
+
+Each result line is written and flushed the moment its request finishes, so an interrupted run keeps
+what finished; ``resume`` skips custom_ids already in the output. A bad line becomes an error line
+naming its line number, and the rest runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from engine.llm import LLM
+from engine.outputs import Completion
+from jobs.schemas import Job, LineError, SamplingParams, parse_line, result_to_output_line
+from worker.convert import completion_to_result, job_to_request
+
+
+@dataclass
+class GenerateSummary:
+    completed: int = 0
+    failed: int = 0
+    bad_lines: int = 0
+    skipped: int = 0
+    completion_tokens: int = 0
+
+
+def read_done_ids(output: Path) -> set[str]:
+    """custom_ids already answered in ``output`` (a torn last line from a crash is ignored)."""
+    done: set[str] = set()
+    if not output.exists():
+        return done
+    for text in output.read_text().splitlines():
+        try:
+            done.add(json.loads(text)["custom_id"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def generate_file(input_path: Path, output_path: Path, *, model: str | None, engine_kwargs: dict[str, Any],
+                  defaults: SamplingParams | None = None, resume: bool = False, progress: bool = True,
+                  llm: LLM | None = None) -> GenerateSummary:
+    summary = GenerateSummary()
+    done = read_done_ids(output_path) if resume else set()
+    if not resume:
+        output_path.write_text("")
+    elif output_path.exists() and output_path.stat().st_size and not output_path.read_bytes().endswith(b"\n"):
+        with output_path.open("a") as f:  # a crash mid-write left a torn line: end it before appending
+            f.write("\n")
+    with output_path.open("a") as out, input_path.open() as src:
+        jobs = list(_read_jobs(src, defaults, done, out, summary))
+        if not jobs:
+            return summary
+        engine = llm if llm is not None else LLM(model, **engine_kwargs)
+        by_id = {j.custom_id: j for j in jobs}
+
+        def write(c: Completion) -> None:
+            result = completion_to_result(by_id[c.request_id], c, engine.tokenizer)
+            _write_line(out, result_to_output_line(by_id[c.request_id], result))
+            summary.completion_tokens += c.usage.completion_tokens
+            if result.status == "completed":
+                summary.completed += 1
+            else:
+                summary.failed += 1
+
+        requests = [job_to_request(j) for j in jobs]
+        for r, j in zip(requests, jobs, strict=True):
+            r.request_id = j.custom_id
+        engine.generate(requests, progress=progress, on_finish=write)
+    return summary
+
+
+def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: IO[str],
+               summary: GenerateSummary) -> Iterable[Job]:
+    seen: set[str] = set()
+    for line_no, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            job = parse_line(text, line_no, defaults)
+            if job.custom_id in seen:
+                raise LineError(line_no, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
+        except LineError as e:
+            key = _custom_id_of(text) or f"line-{line_no}"
+            if key in done:
+                continue
+            summary.bad_lines += 1
+            _write_line(out, {"id": f"line-{line_no}", "custom_id": key, "response": None,
+                              "error": {"code": e.code, "message": str(e), "line": line_no}})
+            continue
+        seen.add(job.custom_id)
+        if job.custom_id in done:
+            summary.skipped += 1
+            continue
+        yield job
+
+
+def _custom_id_of(text: str) -> str | None:
+    try:
+        v = json.loads(text).get("custom_id")
+    except (ValueError, AttributeError):
+        return None
+    return v if isinstance(v, str) and v else None
+
+
+def _write_line(out: IO[str], obj: dict[str, Any]) -> None:
+    out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    out.flush()
