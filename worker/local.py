@@ -48,9 +48,8 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
     done = read_done_ids(output_path) if resume else set()
     if not resume:
         output_path.write_text("")
-    elif output_path.exists() and output_path.stat().st_size and not output_path.read_bytes().endswith(b"\n"):
-        with output_path.open("a") as f:  # a crash mid-write left a torn line: end it before appending
-            f.write("\n")
+    elif output_path.exists():
+        _drop_torn_tail(output_path)
     with output_path.open("a") as out, input_path.open() as src:
         jobs = list(_read_jobs(src, defaults, done, out, summary))
         if not jobs:
@@ -67,11 +66,16 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
             else:
                 summary.failed += 1
 
-        requests = [job_to_request(j) for j in jobs]
-        for r, j in zip(requests, jobs, strict=True):
-            r.request_id = j.custom_id
-        engine.generate(requests, progress=progress, on_finish=write)
+        engine.generate([job_to_request(j) for j in jobs], progress=progress, on_finish=write)
     return summary
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """A crash mid-write leaves a last line without its newline: cut it, its request runs again."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: IO[str],
@@ -93,6 +97,7 @@ def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[
                               "error": {"code": e.code, "message": str(e), "line": line_no}})
             continue
         seen.add(job.custom_id)
+        job.id = job.custom_id  # no batch here: the custom_id names the request and its result
         if job.custom_id in done:
             summary.skipped += 1
             continue

@@ -1,0 +1,84 @@
+"""`sluice generate`: good and bad lines, error lines with line numbers, --resume redoes nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from cli.main import EXIT_SOME_FAILED, cli
+
+LINES = [
+    '{"custom_id": "a", "prompt": "Once upon a time", "max_tokens": 5}',
+    '{"custom_id": "b", "messages": [{"role": "user", "content": "Hi"}]}',
+    "this is not json",
+    '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Yo"}], "max_tokens": 4}}',
+    '{"custom_id": "d", "prompt": "x", "temperature": -1}',
+    "",
+    '{"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
+    '{"prompt": "no custom id here", "max_tokens": 3}',
+]
+
+
+def _read(path: Path) -> dict[str, dict]:
+    return {x["custom_id"]: x for x in map(json.loads, path.read_text().splitlines())}
+
+
+def test_generate_writes_results_and_error_lines_then_resume_redoes_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(LINES) + "\n")
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--max-tokens", "6", "--no-progress"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == EXIT_SOME_FAILED, res.output
+    got = _read(out)
+    assert set(got) == {"a", "b", "line-3", "c", "d", "e", "line-8"}
+    for ok in ("a", "b", "c", "line-8"):
+        assert got[ok]["error"] is None and got[ok]["response"]["status_code"] == 200
+    assert got["a"]["response"]["body"]["object"] == "text_completion"
+    assert got["a"]["response"]["body"]["usage"]["completion_tokens"] <= 5
+    assert got["b"]["response"]["body"]["object"] == "chat.completion"
+    assert got["b"]["response"]["body"]["usage"]["completion_tokens"] <= 6  # the --max-tokens default
+    for bad, line_no in (("line-3", 3), ("d", 5), ("e", 7)):
+        assert got[bad]["response"] is None
+        assert got[bad]["error"]["message"].startswith(f"line {line_no}:"), got[bad]
+    assert "4 completed, 0 failed, 3 bad lines" in res.output
+
+    before = out.read_text()
+    res = CliRunner().invoke(cli, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert "0 completed, 0 failed, 0 bad lines, 4 skipped" in res.output
+    assert out.read_text() == before
+
+
+def test_resume_after_an_interrupted_run_finishes_only_the_rest(tiny_model_dir: Path, tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"count {i}", "max_tokens": 3}) + "\n" for i in range(6)))
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--no-progress"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])  # as if killed mid-write of the third line
+    res = CliRunner().invoke(cli, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert "4 completed" in res.output and "2 skipped" in res.output
+    ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]  # every line whole again
+    assert sorted(ids) == [f"r{i}" for i in range(6)]
+
+
+def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    cases = [
+        ["generate", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")],
+        ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "nope.gguf")],
+        ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--kv-cache-memory", "lots"],
+    ]
+    for args in cases:
+        p = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode in (1, 2), p.stderr
+        assert "Traceback" not in p.stderr
+        assert "Error" in p.stderr
