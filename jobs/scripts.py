@@ -16,10 +16,11 @@ from jobs import keys
 # Moves a batch to its final state once every job has an outcome; shared by the scripts below.
 _FINISH = """
 local function finish_if_done(meta, now)
-  local m = redis.call('HMGET', meta, 'status', 'total', 'completed', 'failed', 'cancelled', 'expired')
+  local m = redis.call('HMGET', meta, 'status', 'total', 'completed', 'failed', 'cancelled', 'expired', 'sealed')
   local total = tonumber(m[2]) or 0
   local n = (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0) + (tonumber(m[5]) or 0) + (tonumber(m[6]) or 0)
-  if total == 0 or n < total then return '' end
+  -- Not before the last line is in: until then the total still grows.
+  if m[7] ~= '1' or total == 0 or n < total then return '' end
   if m[1] == 'in_progress' then
     redis.call('HSET', meta, 'status', 'completed', 'finalizing_at', now, 'completed_at', now)
     return 'completed'

@@ -65,7 +65,7 @@ def connect(url: str | None = None, **kwargs: Any) -> redis.Redis:
 
 
 def _dir(home: Path | None) -> Path:
-    return (home or sluice_home()).expanduser().resolve() / "valkey"
+    return Path(home or sluice_home()).expanduser().resolve() / "valkey"
 
 
 def _info_path(home: Path | None) -> Path:
@@ -199,7 +199,8 @@ def stop_server(home: Path | None = None, *, kill: bool = False, timeout: float 
     if kill:
         os.kill(info.pid, signal.SIGKILL)
     else:
-        client = redis.Redis(host="127.0.0.1", port=info.port, password=info.password, socket_timeout=timeout)
+        client = redis.Redis(host="127.0.0.1", port=info.port, password=info.password, socket_timeout=timeout,
+                             retry=Retry(NoBackoff(), 0))
         try:
             client.shutdown()
         except redis.RedisError:
@@ -217,8 +218,11 @@ def _pid_alive(pid: int) -> bool:
         pass
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
+        return True
+    try:  # a zombie nobody reaps (no init in a container) is dead all the same
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return True

@@ -80,7 +80,7 @@ class _Submission:
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
             "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
-            "invalid": 0, "priorities": "",
+            "invalid": 0, "priorities": "", "sealed": 0,
         }
         if self.r.exists(keys.meta(self.bid)):
             raise ValueError(f"batch {self.bid} already exists")
@@ -164,6 +164,7 @@ class _Submission:
     def finalize(self) -> Batch:
         self.sender.shutdown()
         now = time.time()
+        self.r.hset(keys.meta(self.bid), "sealed", 1)  # the total is final: the batch may finish now
         if self.total == 0:
             old = transition(self.scripts, self.bid, "failed", "failed_at", now, ("validating",))
             if old == "validating":

@@ -1,0 +1,116 @@
+"""Helpers of the job-plane tests: waiting, checking exactly-once outcomes, workers in threads or
+subprocesses, tiny engines (the fixtures are in jobs_fixtures.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.schemas import Result
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def prompt_lines(n: int, rng: Any, max_tokens: int = 4, **extra: Any) -> list[str]:
+    """Simple lines with random short prompts; every job generates exactly ``max_tokens`` tokens."""
+    words = ["sluice", "river", "gate", "water", "stone", "mill", "wheel", "bank", "flow", "lock"]
+    return [json.dumps({"custom_id": f"job-{i}", "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(2, 9))),
+                        "max_tokens": max_tokens, "ignore_eos": True, **extra}) for i in range(n)]
+
+
+def result_entries(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:
+    """The results stream, in order, each entry read as a full Result."""
+    return [Result.model_validate_json(f["r"]).model_dump() for _, f in r.xrange(keys.results(batch_id))]
+
+
+def held_by(r: redis.Redis, batch_id: str, consumer: str) -> int:
+    """Pending entries of ``consumer`` over the batch's job streams: what Redis says it holds."""
+    total = 0
+    for p in (r.hget(keys.meta(batch_id), "priorities") or "").split(","):
+        if p:
+            for c in r.xpending(keys.jobs(batch_id, int(p)), keys.GROUP)["consumers"]:
+                total += int(c["pending"]) if c["name"] == consumer else 0
+    return total
+
+
+def assert_exactly_once(r: redis.Redis, batch_id: str, total: int) -> list[dict[str, Any]]:
+    """Every job has one outcome in the results stream, and the counters agree."""
+    entries = result_entries(r, batch_id)
+    idxs = [e["idx"] for e in entries]
+    assert sorted(idxs) == list(range(total)), f"duplicates or gaps: {len(idxs)} entries for {total} jobs"
+    meta = r.hgetall(keys.meta(batch_id))
+    by_status: dict[str, int] = {}
+    for e in entries:
+        by_status[e["status"]] = by_status.get(e["status"], 0) + 1
+    for s in ("completed", "failed", "cancelled", "expired"):
+        assert int(meta[s]) == by_status.get(s, 0), f"counter {s}={meta[s]} but {by_status.get(s, 0)} results"
+    assert int(meta["total"]) == total
+    return entries
+
+
+class ThreadWorker:
+    """A Worker running in a thread of the test process."""
+
+    def __init__(self, llm: Any, **opts: Any) -> None:
+        from worker.worker import Worker, WorkerOptions
+
+        opts.setdefault("queue", "tiny")
+        opts.setdefault("heartbeat_ttl", 2.0)
+        opts.setdefault("poll_interval", 0.02)
+        self.stop = threading.Event()
+        self.worker = Worker(llm, WorkerOptions(**opts), self.stop)
+        self.error: BaseException | None = None
+        self.report: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.report = self.worker.run()
+        except BaseException as e:  # noqa: BLE001 - surfaced by join()
+            self.error = e
+
+    def join(self, timeout: float = 60.0) -> Any:
+        self.stop.set()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error is not None:
+            raise self.error
+        return self.report
+
+
+def worker_process(model_dir: Path, worker_id: str, *args: str, log: Path | None = None) -> subprocess.Popen:
+    """``python -m worker`` on the tiny model, in the test's SLUICE_HOME (from the environment)."""
+    cmd = [sys.executable, "-m", "worker", "--model", str(model_dir), "--queue", "tiny", "--dtype", "float32",
+           "--worker-id", worker_id, "--heartbeat-ttl", "2", *args]
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+
+
+def tiny_engine(model_dir: Path, **kw: Any) -> Any:
+    from engine.llm import LLM
+
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_num_seqs", 16)
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    return LLM(str(model_dir), **kw)

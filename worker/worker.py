@@ -1,0 +1,550 @@
+"""The worker loop: pull jobs the KV cache can take -> engine.step() -> write each finished job at once.
+
+One process per accelerator. Besides the loop: heartbeats, claiming the pending jobs of workers whose
+heartbeat is gone (and its own, after a restart), dead-lettering jobs delivered too often, aborting
+cancelled jobs before the next step, a graceful drain on SIGTERM, and generating on while Redis is
+away (results are held and written on reconnect).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from jobs import keys
+from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
+from jobs.store import queue_depth
+from worker.convert import bare_result, completion_to_result, job_to_request
+from worker.link import Link
+from worker.metrics import WorkerMetrics
+from worker.puller import Delivery, Puller, default_lookahead
+from worker.writer import REDIS_DOWN, Outcome, Writer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
+DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
+
+
+@dataclass
+class WorkerOptions:
+    queue: str
+    worker_id: str | None = None  # default: "<host>/<device>", suffixed -2, -3... while taken
+    redis_url: str | None = None  # default: SLUICE_REDIS_URL, else the embedded server
+    lookahead: int | None = None  # default: 10% of max_num_seqs, at least 2
+    max_deliveries: int = 3
+    heartbeat_ttl: float = 10.0
+    claim_interval: float | None = None  # default: heartbeat_ttl / 2
+    grace_period: float = 30.0
+    metrics_port: int | None = None
+    housekeeping_interval: float = 30.0
+    results_ttl: float = RESULTS_TTL
+    poll_interval: float = 0.05  # idle wait between looks at the queue
+    exit_when_idle: float | None = None  # stop after this many seconds with nothing to do
+
+
+@dataclass
+class WorkerReport:
+    worker_id: str = ""
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    dead_lettered: int = 0
+    released: int = 0  # handed back to the queue at shutdown
+    claimed: int = 0
+    tokens: int = 0
+    steps: int = 0
+    step_failures: int = 0
+    max_held: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass
+class Held:
+    """A job this worker holds (its stream entry is pending under our name until its outcome is written)."""
+
+    d: Delivery
+    pulled_at: float
+    rid: str | None = None  # the engine request id while it is in the engine
+
+    @property
+    def job(self) -> Any:
+        return self.d.job
+
+
+def default_worker_id(llm: Any) -> str:
+    device = str(getattr(llm, "device", "cpu")).replace(":", "")
+    return f"{socket.gethostname()}/{device}"
+
+
+@dataclass
+class _Timers:
+    heartbeat: float = 0.0
+    claim: float = 0.0
+    housekeeping: float = 0.0
+    depth: float = 0.0
+    busy: float = field(default_factory=time.monotonic)
+
+
+class Worker:
+    def __init__(self, llm: Any, opts: WorkerOptions, stop_event: threading.Event | None = None,
+                 llm_factory: Callable[[], Any] | None = None) -> None:
+        self.llm = llm
+        self.llm_factory = llm_factory
+        self.o = opts
+        self.stop_event = stop_event or threading.Event()
+        cfg = getattr(llm, "config", None)
+        max_seqs = getattr(cfg, "max_num_seqs", 256)
+        self.link = Link(opts.redis_url)
+        self.id = self._take_identity(opts.worker_id or default_worker_id(llm), explicit=opts.worker_id is not None)
+        lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
+        self.puller = Puller(opts.queue, self.id, max_seqs, lookahead, getattr(cfg, "block_size", 16))
+        self.writer = Writer()
+        self.metrics = WorkerMetrics(opts.queue, self.id)
+        self.report = WorkerReport(worker_id=self.id)
+        self.held: dict[str, Held] = {}  # job id -> Held
+        self.by_rid: dict[str, Held] = {}  # engine request id -> Held
+        self.suspects: deque[Held] = deque()  # jobs of a failed step, to rerun one at a time
+        self.isolating: Held | None = None
+        self.rids = itertools.count()
+        self.t = _Timers()
+        self.claim_every = opts.claim_interval or opts.heartbeat_ttl / 2
+        self.cancel_cursor = self._latest_cancel()
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.started = time.monotonic()
+        self._old_signals: dict[int, Any] = {}
+
+    # ---- identity and heartbeat ------------------------------------------------------------------
+    def _take_identity(self, base: str, explicit: bool) -> str:
+        """A worker id no live worker holds. Our own id, left by a dead process of this host, is taken
+        over at once, so a restarted worker picks up its own pending jobs."""
+        for n in itertools.count(1):
+            wid = base if n == 1 else f"{base}-{n}"
+            if self._try_heartbeat(wid, wait=explicit):
+                return wid
+            if explicit:
+                raise RuntimeError(f"worker id {wid!r} is held by a live worker")
+        raise AssertionError("unreachable")
+
+    def _try_heartbeat(self, wid: str, wait: bool) -> bool:
+        r, key = self.link.r, keys.heartbeat(wid)
+        deadline = time.monotonic() + (self.o.heartbeat_ttl + 1 if wait else 0)
+        while True:
+            if r.set(key, self._beat(wid), nx=True, px=self._ttl_ms()):
+                return True
+            holder = json.loads(r.get(key) or "null")
+            if holder is not None and holder.get("host") == socket.gethostname() and not _pid_alive(holder["pid"]):
+                r.set(key, self._beat(wid), px=self._ttl_ms())
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+    def _ttl_ms(self) -> int:
+        return int(self.o.heartbeat_ttl * 1000)
+
+    def _beat(self, wid: str) -> str:
+        llm = self.llm
+        return json.dumps({
+            "id": wid, "host": socket.gethostname(), "pid": os.getpid(), "queue": self.o.queue, "time": time.time(),
+            "held": len(getattr(self, "held", ())), "running": llm.num_running, "waiting": llm.num_waiting,
+            "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks,
+            "draining": getattr(self, "draining", False),
+        })
+
+    def _heartbeat(self) -> None:
+        self.link.r.set(keys.heartbeat(self.id), self._beat(self.id), px=self._ttl_ms())
+
+    def _latest_cancel(self) -> str:
+        last = self.link.r.xrevrange(keys.cancels(self.o.queue), count=1)
+        return last[0][0] if last else "0-0"
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> WorkerReport:
+        self._install_signals()
+        if self.o.metrics_port is not None:
+            self.metrics.serve(self.o.metrics_port)
+        log.info("worker %s on queue %r: %d KV blocks, holds at most %d jobs", self.id, self.o.queue,
+                 self.llm.num_total_blocks, self.puller.max_held)
+        try:
+            while not self._finished():
+                self._tick()
+        finally:
+            self._close()
+        self.report.wall_s = time.monotonic() - self.started
+        return self.report
+
+    def _tick(self) -> None:
+        self._maintain(time.monotonic())
+        self._redis(self._poll_cancels)
+        if not self.draining:
+            self._fill()
+        stepped = self._step()
+        if len(self.writer):
+            self._redis(self._flush)
+        self._observe()
+        if not stepped:
+            self.stop_event.wait(self.o.poll_interval)
+
+    def _redis(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """Run a Redis round trip unless Redis is down; note whether it answered."""
+        if not self.link.usable():
+            return None
+        try:
+            out = fn(*args)
+        except REDIS_DOWN as e:
+            self.link.failed(e)
+            return None
+        if self.link.succeeded():
+            self._redis(self._heartbeat)
+        return out
+
+    def _maintain(self, now: float) -> None:
+        if now >= self.t.heartbeat:
+            self.t.heartbeat = now + self.o.heartbeat_ttl / 3
+            self._redis(self._heartbeat)
+        if now >= self.t.housekeeping and not self.draining:
+            self.t.housekeeping = now + self.o.housekeeping_interval
+            self._redis(lambda: housekeep_if_due(self.link.r, self.id, self.o.housekeeping_interval,
+                                                 results_ttl=self.o.results_ttl))
+        if now >= self.t.depth:
+            self.t.depth = now + DEPTH_EVERY
+            depth = self._redis(queue_depth, self.link.r, self.o.queue)
+            if depth is not None:
+                self.metrics.queue_depth.set(depth)
+
+    def _observe(self) -> None:
+        llm = self.llm
+        self.metrics.engine(llm.num_running, llm.num_waiting, len(self.held), llm.num_free_blocks,
+                            llm.num_total_blocks)
+        self.metrics.outbox.set(len(self.writer))
+        self.metrics.redis_up.set(1 if self.link.up else 0)
+        self.report.max_held = max(self.report.max_held, len(self.held))
+        if self.held or len(self.writer):
+            self.t.busy = time.monotonic()
+
+    # ---- taking jobs -----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        if self.isolating is not None:
+            return
+        if self.suspects:
+            if not self.llm.has_unfinished():
+                self.isolating = self.suspects.popleft()
+                self._start(self.isolating)
+            return
+        llm = self.llm
+        n = self.puller.budget(len(self.held), llm.num_running, llm.num_waiting, llm.num_free_blocks)
+        if n > 0:
+            for d in self._redis(self._pull, n) or []:
+                self._admit(d)
+
+    def _pull(self, n: int) -> list[Delivery]:
+        r = self.link.r
+        got: list[Delivery] = []
+        now = time.monotonic()
+        if now >= self.t.claim:
+            self.t.claim = now + self.claim_every
+            held_entries = {h.d.entry_id for h in self.held.values()}
+            got = self.puller.claim(r, n, held_entries)
+            self.report.claimed += len(got)
+        if len(got) < n:
+            got += self.puller.read(r, n - len(got))
+        return self._screen(got) if got else []
+
+    def _screen(self, ds: list[Delivery]) -> list[Delivery]:
+        """Settle at once the jobs that must not run (outcome already written, batch cancelled or
+        expired, deadline passed, delivered too often); return the rest."""
+        r = self.link.r
+        pipe = r.pipeline(transaction=False)
+        for d in ds:
+            bid, idx = d.job.batch_id, d.job.idx
+            pipe.hexists(keys.done(bid), idx)
+            pipe.hget(keys.meta(bid), "status")
+            pipe.zrem(keys.deadlines(bid), idx)  # starting it: housekeeping may no longer expire it
+            pipe.hget(keys.last_errors(bid), idx)
+        replies = pipe.execute()
+        now = time.time()
+        keep = []
+        for i, d in enumerate(ds):
+            done, status, _, last_error = replies[4 * i: 4 * i + 4]
+            verdict = self._verdict(d, bool(done), status, last_error, now)
+            if verdict is None:
+                keep.append(d)
+        return keep
+
+    def _verdict(self, d: Delivery, done: bool, status: str | None, last_error: str | None, now: float) -> str | None:
+        """Why ``d`` is not to run (its outcome is queued here), or None."""
+        job = d.job
+        if status is None:
+            return "gone"  # the batch was deleted; its streams with it
+        if done or status in ("cancelling", "cancelled"):
+            self._settle(d, "cancelled", "batch_cancelled", "the batch was cancelled")
+            return "done"
+        if status == "expired":
+            self._settle(d, "expired", "batch_expired", "the batch expired")
+            return "expired"
+        if job.deadline is not None and job.deadline <= now:
+            self._settle(d, "expired", "deadline_exceeded", "the deadline passed before the job started")
+            return "deadline"
+        if d.deliveries > self.o.max_deliveries:
+            self._dead_letter(d, last_error or "the worker running it stopped without a result (crashed?)")
+            return "dead"
+        return None
+
+    def _admit(self, d: Delivery) -> None:
+        h = Held(d, time.time())
+        self.held[d.job.id] = h
+        self._start(h)
+
+    def _start(self, h: Held) -> None:
+        rid = f"{h.job.id}#{next(self.rids)}"
+        try:
+            req = job_to_request(h.job, rid)
+        except ValueError as e:
+            self._forget(h)
+            self._settle(h.d, "failed", "invalid_request", str(e))
+            return
+        try:
+            self.puller.observe(self.llm.blocks_needed(req))
+            self.llm.add_request(req)
+        except Exception as e:  # noqa: BLE001 - whatever the engine raises, it is this job's failure
+            log.exception("the engine refused job %s", h.job.id)
+            self._attempt_failed(h, e)
+            return
+        h.rid = rid
+        self.by_rid[rid] = h
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        if not self.llm.has_unfinished():
+            return False
+        try:
+            done = self.llm.step()
+        except Exception as e:  # noqa: BLE001
+            self._step_failed(e)
+            return True
+        self.report.steps += 1
+        for c in done:
+            self._completed(c)
+        return True
+
+    def _completed(self, c: Any) -> None:
+        h = self.by_rid.pop(c.request_id, None)
+        if h is None:
+            return  # aborted meanwhile
+        self._forget(h)
+        res = completion_to_result(h.job, c, self.llm.tokenizer, started=h.pulled_at, worker=self.id,
+                                   model=self.o.queue)
+        self.writer.add(Outcome(h.job.batch_id, h.job.idx, res.status, res.model_dump_json(exclude_none=True),
+                                h.d.stream, h.d.entry_id))
+        self.report.tokens += c.usage.completion_tokens
+        self.metrics.job_done(res.status, c.usage.completion_tokens, h.job.created_at, h.pulled_at)
+
+    def _step_failed(self, e: Exception) -> None:
+        self.report.step_failures += 1
+        if self.isolating is not None:
+            h, self.isolating = self.isolating, None
+            log.error("job %s failed the engine step on its own: %s", h.job.id, e)
+            self._abort(h)
+            self._attempt_failed(h, e)
+            return
+        log.exception("an engine step failed; rerunning its %d jobs one at a time", len(self.by_rid))
+        victims = list(self.by_rid.values())
+        for h in victims:
+            self._abort(h)
+        self.suspects.extend(victims)
+
+    def _attempt_failed(self, h: Held, e: BaseException) -> None:
+        """This job made the engine fail: retry it alone, or dead-letter it after max_deliveries."""
+        msg = f"{type(e).__name__}: {e}"
+        bid, idx = h.job.batch_id, h.job.idx
+        self._redis(lambda: self.link.r.hset(keys.last_errors(bid), idx, msg))
+        if h.d.deliveries >= self.o.max_deliveries:
+            self._forget(h)
+            self._dead_letter(h.d, msg)
+            return
+        h.d.deliveries += 1
+        # Counted in Redis too, so the tally survives a crash of this worker.
+        self._redis(lambda: self.link.r.xclaim(h.d.stream, keys.GROUP, self.id, 0, [h.d.entry_id]))
+        self.suspects.appendleft(h)
+
+    def _abort(self, h: Held) -> None:
+        if h.rid is None:
+            return
+        self.by_rid.pop(h.rid, None)
+        rid, h.rid = h.rid, None
+        try:
+            self.llm.abort(rid)
+        except Exception:  # noqa: BLE001 - the engine is in an unknown state: start a fresh one
+            if self.llm_factory is None:
+                raise
+            log.exception("abort failed; rebuilding the engine")
+            self._rebuild_engine()
+
+    def _rebuild_engine(self) -> None:
+        assert self.llm_factory is not None
+        survivors = list(self.by_rid.values())
+        self.by_rid.clear()
+        self.llm = self.llm_factory()
+        for h in survivors:
+            h.rid = None
+            self.suspects.append(h)
+
+    def _forget(self, h: Held) -> None:
+        self.held.pop(h.job.id, None)
+        if h.rid is not None:
+            self.by_rid.pop(h.rid, None)
+        if self.isolating is h:
+            self.isolating = None
+        if h in self.suspects:
+            self.suspects.remove(h)
+
+    # ---- outcomes --------------------------------------------------------------------------------
+    def _settle(self, d: Delivery, status: str, code: str, message: str) -> None:
+        res = bare_result(d.job, status, code, message, self.id, self.o.queue)
+        self.writer.add(Outcome(d.job.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True),
+                                d.stream, d.entry_id))
+
+    def _dead_letter(self, d: Delivery, error: str) -> None:
+        log.error("dead-lettering job %s after %d deliveries: %s", d.job.id, d.deliveries, error)
+        message = f"gave up after {d.deliveries} deliveries; last error: {error}"
+        res = bare_result(d.job, "failed", "dead_letter", message, self.id, self.o.queue)
+        dead = json.dumps({"idx": d.job.idx, "custom_id": d.job.custom_id, "error": error,
+                           "deliveries": d.deliveries, "worker": self.id,
+                           "job": d.job.model_dump(mode="json", exclude_none=True)})
+        self.writer.add(Outcome(d.job.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True),
+                                d.stream, d.entry_id, dead))
+        self.report.dead_lettered += 1
+
+    def _flush(self) -> None:
+        for w in self.writer.flush(self.link.r, self.link.scripts, time.time()):
+            if w.fresh:
+                setattr(self.report, w.outcome.status, getattr(self.report, w.outcome.status) + 1)
+
+    # ---- cancels ---------------------------------------------------------------------------------
+    def _poll_cancels(self) -> None:
+        got = self.link.r.xread({keys.cancels(self.o.queue): self.cancel_cursor}, count=256)
+        for _, entries in got or []:
+            for eid, f in entries:
+                self.cancel_cursor = eid
+                self._cancel(f["b"], f.get("i") or None, f.get("s") or "cancelled")
+
+    def _cancel(self, batch_id: str, idx: str | None, status: str) -> None:
+        hit = [h for h in self.held.values()
+               if h.job.batch_id == batch_id and (idx is None or h.job.idx == int(idx))]
+        for h in hit:
+            self._abort(h)  # frees its KV blocks before the next step
+            self._forget(h)
+            code = "batch_expired" if status == "expired" else ("cancelled" if idx else "batch_cancelled")
+            self._settle(h.d, status, code, f"the {'job' if idx else 'batch'} was {status}")
+        if hit:
+            log.info("aborted %d jobs of %s (%s)", len(hit), batch_id, status)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    def _finished(self) -> bool:
+        now = time.monotonic()
+        idle_for = self.o.exit_when_idle
+        if not self.draining and (self.stop_event.is_set() or (idle_for is not None and now - self.t.busy > idle_for)):
+            self._begin_drain(now)
+        if not self.draining:
+            return False
+        if self.held and now < self.drain_deadline:
+            return False
+        if self.held:
+            self._release_all()
+        return not len(self.writer) or now > self.drain_deadline + FLUSH_AFTER_GRACE
+
+    def _begin_drain(self, now: float) -> None:
+        self.draining = True
+        self.drain_deadline = now + self.o.grace_period
+        log.info("worker %s draining: %d jobs in flight, %.0fs grace", self.id, len(self.held), self.o.grace_period)
+
+    def _release_all(self) -> None:
+        """Hand unfinished jobs back to the queue for other workers (not counted as attempts)."""
+        left = list(self.held.values())
+        for h in left:
+            self._abort(h)
+            self._forget(h)
+        self.suspects.clear()
+
+        def requeue() -> None:
+            pipe = self.link.r.pipeline(transaction=False)
+            for h in left:
+                self.link.scripts.requeue(keys=[h.d.stream], client=pipe, args=[
+                    h.d.entry_id, keys.GROUP, h.job.model_dump_json(exclude_none=True), h.d.deliveries - 1])
+            pipe.execute()
+            self.report.released += len(left)
+
+        self._redis(requeue)
+        log.info("released %d unfinished jobs", len(left))
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_event.is_set():
+                self.drain_deadline = 0.0  # a second signal: stop now
+            self.stop_event.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old_signals[sig] = signal.signal(sig, handler)
+
+    def _close(self) -> None:
+        for sig, old in self._old_signals.items():
+            signal.signal(sig, old)
+        # Gone at once, so other workers may claim whatever we still held without waiting out the TTL.
+        self._redis(lambda: self.link.r.delete(keys.heartbeat(self.id)))
+        self.metrics.close()
+        self.link.r.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def run_worker(model: str | None = None, *, queue: str | None = None, stop_event: threading.Event | None = None,
+               llm: Any = None, worker_id: str | None = None, redis_url: str | None = None,
+               lookahead: int | None = None, max_deliveries: int = 3, heartbeat_ttl: float = 10.0,
+               claim_interval: float | None = None, grace_period: float = 30.0, metrics_port: int | None = None,
+               housekeeping_interval: float = 30.0, results_ttl: float = RESULTS_TTL, poll_interval: float = 0.05,
+               exit_when_idle: float | None = None, **engine_kwargs: Any) -> WorkerReport:
+    """Serve ``queue`` (default: the model's name, None -> "default") until ``stop_event`` is set or
+    SIGTERM/SIGINT (in the main thread) arrives; then drain within ``grace_period`` seconds.
+
+    ``engine_kwargs`` go to ``engine.llm.LLM`` (dtype, max_num_seqs, kv_cache_memory, ...); ``llm``
+    passes a ready engine instead.
+    """
+    opts = WorkerOptions(
+        queue=queue or keys.queue_name(model), worker_id=worker_id, redis_url=redis_url, lookahead=lookahead,
+        max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl, claim_interval=claim_interval,
+        grace_period=grace_period, metrics_port=metrics_port, housekeeping_interval=housekeeping_interval,
+        results_ttl=results_ttl, poll_interval=poll_interval, exit_when_idle=exit_when_idle)
+    factory = None
+    if llm is None:
+        from engine.llm import LLM
+
+        def factory() -> Any:
+            return LLM(model, **engine_kwargs)
+
+        llm = factory()
+    return Worker(llm, opts, stop_event, factory).run()
