@@ -46,7 +46,9 @@ def _load_kv_tile(
     return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
 
 
-@triton.jit
+# Scalars that vary from step to step are not specialised (on == 1 or % 16), so that a long run does not
+# keep compiling variants: they only feed address arithmetic, where the hints buy nothing.
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -140,7 +142,7 @@ def _decode_split_kernel(
         tl.store(a_ptrs, acc, mask=g_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr,
     m_part_ptr,
@@ -178,7 +180,7 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
