@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
@@ -47,10 +47,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (num_blocks, self.block_size, m.config.num_key_value_heads, m.head_dim)
-        self.kv_caches = [
-            (torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device))
-            for _ in m.layers
-        ]
+        self.kv_caches = [(allocate_kv(*shape, self.dtype, self.device), allocate_kv(*shape, self.dtype, self.device))
+                          for _ in m.layers]
         self.num_zeroed_blocks = 0
 
     def zero_fresh_blocks(self, num_touched: int) -> None:
@@ -58,8 +56,8 @@ class ModelRunner:
         masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN."""
         if num_touched > self.num_zeroed_blocks:
             for k, v in self.kv_caches:
-                k[self.num_zeroed_blocks : num_touched].zero_()
-                v[self.num_zeroed_blocks : num_touched].zero_()
+                k[self.num_zeroed_blocks : num_touched] = 0
+                v[self.num_zeroed_blocks : num_touched] = 0
             self.num_zeroed_blocks = num_touched
 
     def _cuda_free_after_warmup(self) -> int:
