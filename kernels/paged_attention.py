@@ -22,6 +22,7 @@ DECODE_BLOCK_N = 64  # tokens per decode tile
 PREFILL_BLOCK_M = 64  # (query token, head) rows per prefill program
 PREFILL_BLOCK_N = 64  # key tokens per prefill tile
 MIN_TOKENS_PER_SPLIT = 256  # a shorter split costs more in its merge than it gains in parallelism
+PROGRAMS_PER_SM = 4  # decode programs wanted per SM before splitting stops
 
 
 @triton.jit
@@ -281,13 +282,18 @@ def _sm_count(device_index: int) -> int:
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough splits to fill the GPU about twice over, but none shorter than MIN_TOKENS_PER_SPLIT."""
+    """Enough programs for about PROGRAMS_PER_SM per SM, with no split shorter than MIN_TOKENS_PER_SPLIT.
+
+    A decode program holds ~80-120 registers a thread and 20-40 KB of shared memory, so an SM runs
+    about 5-6 at once: fewer resident programs leave bandwidth unused. (A guess until measured:
+    bench/gpu_check.py sweeps the split count next to this choice.)
+    """
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132  # an H100/H200 otherwise
+    target = PROGRAMS_PER_SM * sms
     programs = batch * num_kv_heads
-    if programs >= sms:
+    if programs >= target:
         return 1
-    wanted = triton.cdiv(2 * sms, programs)
-    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, 64))
+    return max(1, min(triton.cdiv(target, programs), max_context // MIN_TOKENS_PER_SPLIT, 64))
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
