@@ -177,6 +177,7 @@ class Batch(BaseModel):
     id: str
     model: str
     status: BatchStatus
+    endpoint: str = CHAT_URL  # the URL every request of the batch is for (OpenAI's batch ``endpoint``)
     counts: BatchCounts = Field(default_factory=BatchCounts)
     priority: int = 0
     input: str | None = None
@@ -196,7 +197,7 @@ class Batch(BaseModel):
     def is_final(self) -> bool:
         return self.status in FINAL_BATCH_STATUSES
 
-    def to_openai(self, endpoint: str = CHAT_URL) -> dict[str, Any]:
+    def to_openai(self, endpoint: str | None = None) -> dict[str, Any]:
         """The OpenAI Batch object (integer timestamps; cancelled/expired requests count as failed)."""
         c = self.counts
         ts = {k: _int_or_none(getattr(self, k)) for k in (
@@ -204,7 +205,7 @@ class Batch(BaseModel):
             "cancelling_at", "cancelled_at")}
         errors = [{"code": e.code, "message": e.message, "line": e.line, "param": None} for e in self.errors]
         return {
-            "id": self.id, "object": "batch", "endpoint": endpoint, "model": self.model,
+            "id": self.id, "object": "batch", "endpoint": endpoint or self.endpoint, "model": self.model,
             "errors": {"object": "list", "data": errors} if errors else None,
             "input_file_id": self.input, "completion_window": "24h", "status": self.status,
             "output_file_id": None, "error_file_id": None, "created_at": int(self.created_at), **ts,

@@ -12,6 +12,7 @@ import redis
 
 from jobs import keys
 from jobs.schemas import (
+    CHAT_URL,
     FINAL_BATCH_STATUSES,
     Batch,
     BatchCounts,
@@ -31,6 +32,7 @@ def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Ba
     counts = BatchCounts(**{k: int(meta.get(k) or 0) for k in BatchCounts.model_fields})
     times: dict[str, Any] = {k: float(meta[k]) if meta.get(k) else None for k in _TIMES}
     return Batch(id=meta["id"], model=meta.get("model") or "default", status=meta["status"], counts=counts,
+                 endpoint=meta.get("endpoint") or CHAT_URL,
                  priority=int(meta.get("priority") or 0), input=meta.get("input") or None,
                  metadata=json.loads(meta.get("metadata") or "{}"),
                  errors=[LineErrorInfo.model_validate_json(e) for e in errors or []], **times)
@@ -124,7 +126,18 @@ def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bo
 
 
 def _final(r: redis.Redis, batch_id: str) -> bool:
-    return r.hget(keys.meta(batch_id), "status") in FINAL_BATCH_STATUSES | {None}
+    """Final, and every outcome written: an expired batch turns final before its jobs are swept."""
+    status, total, *done = r.hmget(keys.meta(batch_id), "status", "total", "completed", "failed", "cancelled",
+                                   "expired")
+    if status is None:
+        return True
+    return status in FINAL_BATCH_STATUSES and sum(int(x or 0) for x in done) >= int(total or 0)
+
+
+def recent_results(r: redis.Redis, batch_id: str, n: int = 256) -> list[Result]:
+    """The batch's last ``n`` results, oldest first (for throughput and ETA without reading them all)."""
+    entries = r.xrevrange(keys.results(batch_id), "+", "-", count=n)
+    return [Result.model_validate_json(f["r"]) for _, f in reversed(entries)]
 
 
 def output_lines(r: redis.Redis, batch_id: str, **kw: Any) -> Iterator[dict[str, Any]]:
@@ -224,3 +237,8 @@ def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
     names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))
     values = r.mget(names) if names else []
     return [json.loads(v) for v in values if v]
+
+
+def served_queues(r: redis.Redis) -> set[str]:
+    """The queues (model names) live workers serve."""
+    return {w["queue"] for w in list_workers(r) if w.get("queue")}

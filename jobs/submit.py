@@ -16,10 +16,19 @@ from typing import Any
 import redis
 
 from jobs import keys
-from jobs.schemas import Batch, Job, LineError, LineErrorInfo, SamplingParams, parse_line
+from jobs.schemas import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    Batch,
+    Job,
+    LineError,
+    LineErrorInfo,
+    SamplingParams,
+    parse_line,
+)
 from jobs.scripts import Scripts, sweep, transition
 from jobs.server import connect
-from jobs.store import get_batch, retire_batch
+from jobs.store import get_batch, retire_batch, served_queues
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
@@ -28,14 +37,17 @@ CHUNK = 2000  # jobs per pipeline round trip
 def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | None = None,
            defaults: SamplingParams | None = None, priority: int = 0,
            completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
-           input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK) -> Batch:
+           input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK,
+           endpoint: str | None = None) -> Batch:
     """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
 
     ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
     it, the first line's ``model`` (or "default") does, and lines naming another model are rejected.
+    ``endpoint`` (OpenAI's batch endpoint) defaults to the URL of the first job's kind.
     """
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
+    sub.endpoint = endpoint
     sub.create(completion_window, metadata, input_name)
     for line_no, text in enumerate(lines, 1):
         if text.strip():
@@ -45,6 +57,27 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     sub.flush()
     sub.wait()
     return sub.finalize()
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def resolve_model(r: redis.Redis, model: str | None) -> str:
+    """The queue a batch asking for ``model`` goes to.
+
+    Omitted or "default": the "default" queue, unless live workers serve exactly one other model and
+    none serves "default" (so a laptop's one worker answers requests that name no model). Another
+    name must be a queue some live worker serves (UnknownModel otherwise), except while no worker is
+    live at all: then nothing can be checked, and the jobs wait for a worker of that name.
+    """
+    served = served_queues(r)
+    if model is None or keys.queue_name(model) == "default":
+        return next(iter(served)) if len(served) == 1 and "default" not in served else "default"
+    queue = keys.queue_name(model)
+    if served and queue not in served:
+        raise UnknownModel(f"no worker serves model {model!r} (served: {', '.join(sorted(served))})")
+    return queue
 
 
 class _Submission:
@@ -74,13 +107,14 @@ class _Submission:
         self.chunks: dict[int, list[Any]] = {}  # priority -> [job JSON, custom_id, idx, ...]
         self.deadlines: dict[str, float] = {}
         self.errors: list[str] = []
+        self.endpoint: str | None = None
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None) -> None:
         fields: dict[str, Any] = {
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
             "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
-            "invalid": 0, "priorities": "", "sealed": 0,
+            "invalid": 0, "priorities": "", "sealed": 0, "endpoint": self.endpoint or "",
         }
         if self.r.exists(keys.meta(self.bid)):
             raise ValueError(f"batch {self.bid} already exists")
@@ -98,6 +132,9 @@ class _Submission:
             self._reject(e.info())
             return
         self.seen.add(job.custom_id)
+        if self.endpoint is None:
+            self.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
+            self.r.hset(keys.meta(self.bid), "endpoint", self.endpoint)
         if "priority" not in job.model_fields_set:
             job.priority = self.priority
         self._enqueue(job)
