@@ -105,12 +105,3 @@ def worker_process(model_dir: Path, worker_id: str, *args: str, log: Path | None
            "--worker-id", worker_id, "--heartbeat-ttl", "2", *args]
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
-
-
-def tiny_engine(model_dir: Path, **kw: Any) -> Any:
-    from engine.llm import LLM
-
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("max_num_seqs", 16)
-    kw.setdefault("kv_cache_memory", 4 << 20)
-    return LLM(str(model_dir), **kw)

@@ -371,6 +371,8 @@ class Worker:
         """This job made the engine fail: retry it alone, or dead-letter it after max_deliveries."""
         msg = f"{type(e).__name__}: {e}"
         bid, idx = h.job.batch_id, h.job.idx
+        if self.isolating is h:
+            self.isolating = None
         self._redis(lambda: self.link.r.hset(keys.last_errors(bid), idx, msg))
         if h.d.deliveries >= self.o.max_deliveries:
             self._forget(h)
