@@ -449,6 +449,12 @@ def result_to_output_line(job: Job | None, result: Result) -> dict[str, Any]:
     return line
 
 
+def line_error_to_output_line(info: LineErrorInfo, custom_id: str | None = None) -> dict[str, Any]:
+    """A rejected input line as an error-file line (shaped as ``sluice generate`` writes them)."""
+    return {"id": f"line-{info.line}", "custom_id": custom_id, "response": None,
+            "error": {"code": info.code, "message": f"line {info.line}: {info.message}", "line": info.line}}
+
+
 def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     """A chat.completion or text_completion object for a completed Result."""
     kind = job.kind if job is not None else result.kind
