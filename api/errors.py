@@ -1,0 +1,61 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` (the SDK reads it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          409: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.extra = status, message, code, param, extra
+        self.headers = headers
+
+
+def not_found(what: str, id_: str) -> ApiError:
+    return ApiError(404, f"No {what} found with id {id_!r}.", code="not_found")
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code, **extra}}
+
+
+def _respond(status: int, message: str, code: str | None = None, param: str | None = None,
+             headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param, **extra), status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _respond(e.status, e.message, e.code, e.param, headers=e.headers, **e.extra)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return _respond(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        # 400 as OpenAI answers, not FastAPI's 422; the message names the first bad field.
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        return _respond(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")), code="invalid_request",
+                        param=where or None)
+
+    # Only an unreachable server is a 503; any other Redis error is a bug and stays a 500.
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
+        return _respond(503, f"the job server is unavailable: {type(e).__name__}: {e}", code="job_server_unavailable")

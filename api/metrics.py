@@ -1,0 +1,51 @@
+"""``GET /metrics``: the API's request counts, and the job plane as seen at scrape time (live workers
+and queue depth per model, read from Redis), on the API's own Prometheus registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from jobs.store import list_workers, queue_depth
+
+
+class JobPlaneCollector(Collector):
+    def __init__(self, get_redis: Callable[[], redis.Redis]) -> None:
+        self.get_redis = get_redis
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("sluice_job_server_up", "1 while the job server (Redis) answers")
+        try:
+            r = self.get_redis()
+            workers = list_workers(r)
+            queues = {w.get("queue") or "default" for w in workers} | {"default"}
+            depths = {q: queue_depth(r, q) for q in sorted(queues)}
+        except (redis.RedisError, OSError, RuntimeError):
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        live = GaugeMetricFamily("sluice_live_workers", "Workers with a live heartbeat", labels=["queue"])
+        running = GaugeMetricFamily("sluice_running_seqs_total", "Sequences running over live workers",
+                                    labels=["queue"])
+        depth = GaugeMetricFamily("sluice_queue_jobs", "Jobs not yet delivered to any worker", labels=["queue"])
+        for q, n in depths.items():
+            mine = [w for w in workers if (w.get("queue") or "default") == q]
+            live.add_metric([q], len(mine))
+            running.add_metric([q], sum(int(w.get("running") or 0) for w in mine))
+            depth.add_metric([q], n)
+        yield from (live, running, depth)
+
+
+def make_registry(get_redis: Callable[[], redis.Redis]) -> tuple[CollectorRegistry, Counter]:
+    registry = CollectorRegistry()
+    registry.register(JobPlaneCollector(get_redis))
+    requests = Counter("sluice_api_requests", "HTTP requests answered", ["method", "route", "status"],
+                       registry=registry)
+    return registry, requests

@@ -1,0 +1,136 @@
+"""OpenAI's Batches API (create from an uploaded file, retrieve, list, cancel) and the native
+progressive results download."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import ApiError, not_found
+from api.filestore import error_file_id, output_file_id
+from api.state import Redis, State
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, result_to_output_line
+from jobs.store import cancel_batch, get_batch, list_batches, read_results
+from jobs.submit import UnknownModel, resolve_model, submit
+
+router = APIRouter(tags=["batches"])
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+_WINDOW = re.compile(r"^(\d{1,7})([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
+
+
+class BatchCreate(BaseModel):
+    # Other fields OpenAI takes (output_expires_after, ...) are accepted and change nothing.
+    model_config = ConfigDict(extra="allow")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def batch_object(batch: Batch) -> dict[str, Any]:
+    """OpenAI's Batch object, with the output and error files once the batch is final."""
+    return {**batch.to_openai(), "output_file_id": output_file_id(batch), "error_file_id": error_file_id(batch)}
+
+
+def window_seconds(window: str) -> float:
+    m = _WINDOW.match(window)
+    if not m or int(m.group(1)) == 0:
+        raise ApiError(400, f"completion_window {window!r} is not a duration like 24h", code="invalid_window",
+                       param="completion_window")
+    return int(m.group(1)) * _UNIT[m.group(2)]
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    for k, v in (metadata or {}).items():
+        if len(k) > 64 or len(v) > 512:
+            raise ApiError(400, "metadata keys are at most 64 characters and values at most 512",
+                           code="invalid_metadata", param="metadata")
+
+
+@router.post("/v1/batches", summary="Create a batch from an uploaded file")
+def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
+    f = state.files.get_upload(body.input_file_id)
+    if f is None:
+        raise not_found("file", body.input_file_id)
+    if f.meta["purpose"] != "batch":
+        raise ApiError(400, "the input file was not uploaded with purpose=batch", param="input_file_id")
+    if body.endpoint not in ENDPOINTS:
+        raise ApiError(400, f"endpoint {body.endpoint!r} is not supported; use one of {', '.join(ENDPOINTS)}",
+                       code="unsupported_endpoint", param="endpoint")
+    if f.info.get("endpoint") != body.endpoint:
+        raise ApiError(400, f"the file's requests are for {f.info.get('endpoint')}, not {body.endpoint}",
+                       code="endpoint_mismatch", param="endpoint")
+    window = window_seconds(body.completion_window)
+    _check_metadata(body.metadata)
+    try:
+        queue = resolve_model(r, f.info.get("model"))
+    except UnknownModel as e:
+        raise ApiError(400, str(e), code="model_not_found", param="model") from None
+    try:
+        # newline="\n": lines split as the upload check split them, whatever stray \r they hold.
+        with f.path.open(encoding="utf-8", newline="\n") as src:
+            batch = submit(src, r=r, model=queue, completion_window=window, metadata=body.metadata,
+                           input_name=body.input_file_id, endpoint=body.endpoint)
+    except OSError:
+        raise not_found("file", body.input_file_id) from None
+    return batch_object(batch)
+
+
+@router.get("/v1/batches", summary="List batches, newest first (cursor pagination)")
+def list_all(r: Redis, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
+    before = None
+    if after is not None:
+        cursor = get_batch(r, after, max_errors=0)
+        if cursor is None:
+            raise not_found("batch", after)
+        before = cursor.created_at
+    batches = list_batches(r, limit=limit + 1, before=before)
+    page = [batch_object(b) for b in batches[:limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+
+
+@router.get("/v1/batches/{batch_id}", summary="A batch's status, counts and files")
+def retrieve(batch_id: str, r: Redis) -> dict[str, Any]:
+    batch = get_batch(r, batch_id)
+    if batch is None:
+        raise not_found("batch", batch_id)
+    return batch_object(batch)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished results stay)")
+def cancel(batch_id: str, r: Redis) -> dict[str, Any]:
+    batch = cancel_batch(r, batch_id)
+    if batch is None:
+        raise not_found("batch", batch_id)
+    if batch.status in ("completed", "failed", "expired"):
+        raise ApiError(409, f"batch {batch_id} is already {batch.status}", code="batch_not_cancellable")
+    return batch_object(batch)
+
+
+@router.get("/v1/batches/{batch_id}/results", response_class=Response,
+            responses={200: {"content": {"application/jsonl": {}}, "headers": {
+                "Sluice-Cursor": {"description": "pass as `after` to read on", "schema": {"type": "string"}},
+                "Sluice-Complete": {"description": "true once the batch is final and this page reached its end",
+                                    "schema": {"type": "string"}}}}},
+            summary="Results so far, in completion order, as OpenAI batch output lines (JSONL)")
+def results(batch_id: str, r: Redis, after: Annotated[str, Query(pattern=CURSOR_PATTERN)] = "0",
+            limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> Response:
+    """A progressive download: read until ``Sluice-Complete: true``, passing each page's ``Sluice-Cursor``
+    back as ``after``. Failed, cancelled and expired jobs are here too (with ``error`` set)."""
+    batch = get_batch(r, batch_id, max_errors=0)  # before the results: a final status means all are in
+    if batch is None:
+        raise not_found("batch", batch_id)
+    page = read_results(r, batch_id, after, limit)
+    settled = batch.is_final and batch.counts.done >= batch.counts.total
+    body = "".join(json.dumps(result_to_output_line(None, res), ensure_ascii=False) + "\n" for res in page.results)
+    headers = {"Sluice-Cursor": page.cursor, "Sluice-Complete": str(settled and len(page.results) < limit).lower(),
+               "Sluice-Batch-Status": batch.status}
+    return Response(body, media_type="application/jsonl", headers=headers)

@@ -1,0 +1,83 @@
+"""OpenAI's Files API: upload a batch input file, read a file's object and content, list, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import ApiError, not_found
+from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, TooLarge
+from api.state import Redis, State
+from api.validation import scan_lines
+
+router = APIRouter(tags=["files"])
+JSONL = "application/jsonl"
+
+
+@router.post("/v1/files", summary="Upload a batch input file (JSONL, purpose=batch)")
+async def upload_file(state: State, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+    if purpose != "batch":
+        raise ApiError(400, f"purpose {purpose!r} is not supported; only 'batch' is", code="unsupported_purpose",
+                       param="purpose")
+    # Copying and checking every line is blocking work: off the event loop.
+    return await run_in_threadpool(_store_upload, state, file, purpose)
+
+
+def _store_upload(state: State, file: UploadFile, purpose: str) -> dict[str, Any]:
+    s = state.settings
+    try:
+        tmp = state.files.receive(file.file, s.max_upload_bytes)
+    except TooLarge as e:
+        raise ApiError(413, str(e), code="file_too_large", param="file") from None
+    try:
+        with tmp.open("rb") as src:
+            scan = scan_lines(src, s.max_batch_lines, s.max_prompt_chars)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    info = {"lines": scan.lines, "model": scan.model, "endpoint": scan.endpoint}
+    return state.files.add(tmp, file.filename or "input.jsonl", purpose, info).public()
+
+
+@router.get("/v1/files", summary="List uploaded files, newest first")
+def list_files(state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, after: str | None = None,
+               purpose: str | None = None) -> dict[str, Any]:
+    files = [f for f in state.files.list_uploads() if purpose is None or f.meta["purpose"] == purpose]
+    if after is not None:
+        ids = [f.meta["id"] for f in files]
+        if after not in ids:
+            raise not_found("file", after)
+        files = files[ids.index(after) + 1:]
+    page = [f.public() for f in files[:limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit}
+
+
+@router.get("/v1/files/{file_id}", summary="A file's object (input, or a batch's output or error file)")
+def get_file(file_id: str, state: State, r: Redis) -> dict[str, Any]:
+    f = state.files.get(r, file_id)
+    if f is None:
+        raise not_found("file", file_id)
+    return f.public()
+
+
+@router.get("/v1/files/{file_id}/content", summary="A file's bytes",
+            responses={200: {"content": {JSONL: {}}}}, response_class=FileResponse)
+def get_file_content(file_id: str, state: State, r: Redis) -> FileResponse:
+    f = state.files.get(r, file_id)
+    if f is None or not f.path.exists():
+        raise not_found("file", file_id)
+    return FileResponse(f.path, media_type=JSONL, filename=f.meta["filename"])
+
+
+@router.delete("/v1/files/{file_id}", summary="Delete an uploaded file")
+def delete_file(file_id: str, state: State) -> dict[str, Any]:
+    if file_id.startswith((OUTPUT_PREFIX, ERRORS_PREFIX)):
+        raise ApiError(400, "a batch's output and error files go with the batch", code="not_deletable",
+                       param="file_id")
+    if not state.files.delete_upload(file_id):
+        raise not_found("file", file_id)
+    return {"id": file_id, "object": "file", "deleted": True}

@@ -1,0 +1,62 @@
+"""What every route needs: the settings, the file store, a Redis client (made on first use), the caller's key."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Annotated
+
+import redis
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.errors import ApiError
+from api.filestore import FileStore
+from api.settings import Settings
+from jobs.server import connect
+
+
+class AppState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.files = FileStore(settings.files_dir)
+        self._redis: redis.Redis | None = None
+        self._lock = threading.Lock()
+
+    def redis(self) -> redis.Redis:
+        # Lazily: connecting may start the embedded server, which should not happen on import or in tests
+        # that never touch the job plane.
+        with self._lock:
+            if self._redis is None:
+                self._redis = connect(self.settings.redis_url)
+            return self._redis
+
+    def close(self) -> None:
+        with self._lock:
+            if self._redis is not None:
+                self._redis.close()
+                self._redis = None
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.sluice
+
+
+def get_redis(request: Request) -> redis.Redis:
+    return get_state(request).redis()
+
+
+State = Annotated[AppState, Depends(get_state)]
+Redis = Annotated[redis.Redis, Depends(get_redis)]
+
+_bearer = HTTPBearer(auto_error=False, description="SLUICE_API_KEY, when the server sets one")
+
+
+def require_key(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """401 unless the bearer token is SLUICE_API_KEY (no check when the server sets no key)."""
+    key = get_state(request).settings.api_key
+    if key is None:
+        return
+    if creds is None or not secrets.compare_digest(creds.credentials.encode(), key.encode()):
+        raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <SLUICE_API_KEY>'.",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,104 @@
+"""Checks of uploaded batch files and single jobs, before anything is queued.
+
+A file is refused whole (400) if any line is bad, the error naming the first bad line and listing up
+to ``MAX_REPORTED`` of them: OpenAI clients expect a batch to run every line they uploaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from api.errors import ApiError
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineError, LineErrorInfo, parse_line
+
+MAX_REPORTED = 20
+
+
+def job_endpoint(job: Job) -> str:
+    return CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
+
+
+def prompt_chars(job: Job) -> int:
+    if job.messages is not None:
+        return sum(len(m["content"]) for m in job.messages)
+    return len(job.prompt) if job.prompt is not None else len(job.prompt_token_ids or ())
+
+
+def named_model(job: Job) -> str | None:
+    """The model a job names; "default" names none."""
+    return job.model if job.model not in (None, "default") else None
+
+
+def check_job(job: Job, max_prompt_chars: int) -> None:
+    n = prompt_chars(job)
+    if n > max_prompt_chars:
+        raise LineError(job.line, "prompt_too_long", f"the prompt has {n} characters; the limit is {max_prompt_chars}")
+
+
+@dataclass
+class FileScan:
+    """What a valid batch file holds: its requests, the model and endpoint they name."""
+
+    lines: int = 0
+    model: str | None = None
+    endpoint: str | None = None
+    errors: list[LineErrorInfo] = field(default_factory=list)
+    error_count: int = 0
+    _seen: set[str] = field(default_factory=set)
+
+    def add(self, line_no: int, raw: bytes, max_prompt_chars: int) -> None:
+        try:
+            job = parse_line(_decode(line_no, raw), line_no)
+            check_job(job, max_prompt_chars)
+            self._check_consistent(job)
+        except LineError as e:
+            self.error_count += 1
+            if len(self.errors) < MAX_REPORTED:
+                self.errors.append(e.info())
+            return
+        self._seen.add(job.custom_id)
+
+    def _check_consistent(self, job: Job) -> None:
+        if job.custom_id in self._seen:
+            raise LineError(job.line, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
+        model, endpoint = named_model(job), job_endpoint(job)
+        if model is not None and self.model is not None and model != self.model:
+            raise LineError(job.line, "model_mismatch", f"model {model!r} differs from {self.model!r} on earlier lines")
+        if self.endpoint is not None and endpoint != self.endpoint:
+            raise LineError(job.line, "mixed_endpoints", f"a {endpoint} request after {self.endpoint} ones "
+                            "(a batch is for one endpoint)")
+        self.model = self.model or model
+        self.endpoint = self.endpoint or endpoint
+
+    def raise_if_bad(self) -> None:
+        if not self.errors:
+            return
+        first = self.errors[0]
+        more = f" ({self.error_count - 1} more bad lines)" if self.error_count > 1 else ""
+        raise ApiError(400, f"line {first.line}: {first.message}{more}", code=first.code, param="file",
+                       line=first.line, lines=[e.model_dump() for e in self.errors])
+
+
+def _decode(line_no: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LineError(line_no, "invalid_encoding", f"not UTF-8 (byte {e.start + 1})") from None
+
+
+def scan_lines(lines: Iterable[bytes], max_lines: int, max_prompt_chars: int) -> FileScan:
+    """Every non-blank line checked as ``submit`` will parse it; raises a 400 ApiError naming bad lines."""
+    scan = FileScan()
+    for line_no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        scan.lines += 1
+        if scan.lines > max_lines:
+            raise ApiError(400, f"line {line_no}: more than {max_lines} requests in one batch file",
+                           code="too_many_lines", param="file", line=line_no)
+        scan.add(line_no, raw, max_prompt_chars)
+    scan.raise_if_bad()
+    if scan.lines == 0:
+        raise ApiError(400, "the file holds no requests", code="empty_file", param="file")
+    return scan
