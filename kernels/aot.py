@@ -96,6 +96,21 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
         qp = _rand(7, hq, d, dtype=dtype)
         call = partial(paged_prefill_attention, qp, kc, vc, block_tables, query_start_loc, lens, 5, 0.125)
         yield f"prefill-{tag}", call
+    yield from _fused_cases(dtype)
+
+
+def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
+    from kernels.fused import apply_rotary, rms_norm
+
+    for hidden in (576, 2048):  # SmolLM2-135M, Llama-3.2-1B
+        x, w = _rand(4, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
+        yield f"rms_norm-h{hidden}", partial(rms_norm, x, w, 1e-5)
+        yield f"add_rms_norm-h{hidden}", partial(rms_norm, x, w, 1e-5, _rand(4, hidden, dtype=dtype))
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 64), (32, 8, 128)):
+        qkv = _rand(4, (hq + 2 * hkv) * d, dtype=dtype)
+        q, k = qkv[:, : hq * d].view(4, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(4, hkv, d)
+        cos, sin = torch.rand(64, d), torch.rand(64, d)
+        yield f"rotary-hq{hq}-hkv{hkv}-d{d}", partial(apply_rotary, torch.arange(4), q, k, cos, sin)
 
 
 def compile_launch(launch: Launch, arch: int, stage: str) -> tuple[Any, dict[str, Any]]:

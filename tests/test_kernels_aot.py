@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"_store_kvcache_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel"}
+KERNELS = {
+    "_store_kvcache_kernel",
+    "_decode_split_kernel",
+    "_decode_merge_kernel",
+    "_prefill_kernel",
+    "_rms_norm_kernel",
+    "_rotary_kernel",
+}
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ def test_gpu_check_dry_run() -> None:
     assert len(correctness) == 8 and all(" PASS " in x for x in correctness), table
     assert sum(x.startswith("decode ") and "B=2" in x for x in lines) == 2, table
     assert any(x.startswith("prefill ") for x in lines), table
+    fused = [x for x in lines if x.startswith("fused")]
+    assert len(fused) == 8 and all(" PASS " in x for x in fused), table
     for side in ("ours", "transformers"):
         row = next(x for x in lines if x.startswith("end-to-end") and f" {side} " in x)
         assert "ok: 4/4 requests" in row and "errors 0" in row, table

@@ -1,0 +1,86 @@
+"""The fused RMSNorm (+ residual) and rotary kernels under the interpreter, against the model's own
+PyTorch formulas (engine/models/llama.py). Fresh random inputs each run from a printed seed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import fresh_seed
+
+from kernels.fused import apply_rotary, rms_norm
+from kernels.reference import relative_error
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    return random.Random(seed)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The model's rotation in float64, from the tables as the model casts them (to the activation dtype)."""
+    c = cos[positions].to(x.dtype).double()[:, None, :]
+    s = sin[positions].to(x.dtype).double()[:, None, :]
+    xd = x.double()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xd[..., half:], xd[..., :half]), dim=-1)
+    return xd * c + rotated * s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 576, 2048])
+def test_rms_norm(rng: random.Random, dtype: torch.dtype, hidden: int) -> None:
+    tokens = rng.randint(1, 40)
+    x = (torch.randn(tokens, hidden) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    out = rms_norm(x, weight, 1e-5)
+    err = relative_error(out, torch_rms_norm(x, weight, 1e-5).double())
+    assert err <= TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_with_residual(rng: random.Random, dtype: torch.dtype) -> None:
+    tokens, hidden = rng.randint(1, 40), rng.choice([576, 2048])
+    x = torch.randn(tokens, hidden).to(dtype)
+    residual = (torch.randn(tokens, hidden) * 4).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    out, h = rms_norm(x, weight, 1e-6, residual=residual)
+    assert torch.equal(h, residual + x)  # the residual stream, rounded as the unfused add rounds it
+    err = relative_error(out, torch_rms_norm(residual + x, weight, 1e-6).double())
+    assert err <= TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 64), (8, 1, 128)])
+def test_rotary(rng: random.Random, dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    tokens, max_pos = rng.randint(1, 30), 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    positions = torch.tensor([rng.randrange(max_pos) for _ in range(tokens)])
+    # q and k as strided views into one fused projection, as the model has them.
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d).to(dtype)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    ref_q = rotary_reference(q, cos, sin, positions)
+    ref_k = rotary_reference(k, cos, sin, positions)
+    out_q, out_k = apply_rotary(positions, q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+    assert relative_error(q, ref_q) <= TOL[dtype]
+    assert relative_error(k, ref_k) <= TOL[dtype]
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
