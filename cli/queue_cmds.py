@@ -1,0 +1,299 @@
+"""Commands on the job queue: submit, status, results, cancel, batches. They talk to the job server
+(SLUICE_REDIS_URL, or the embedded one of SLUICE_HOME) through ``jobs``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+from tqdm import tqdm
+
+from cli.common import (
+    EXIT_SOME_FAILED,
+    UserError,
+    interrupted,
+    job_server_errors,
+    one_line,
+    open_server,
+    require_batch,
+)
+from cli.output import ResultFiles, default_errors_path, default_output_path, echo_line
+from cli.progress import rates, status_text
+from jobs import keys
+from jobs.schemas import Batch, LineError, SamplingParams, parse_line
+from jobs.store import (
+    cancel_batch,
+    get_batch,
+    get_line_errors,
+    iter_results,
+    list_batches,
+    recent_results,
+    served_queues,
+)
+from jobs.submit import UnknownModel, resolve_model, submit
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the batch object in OpenAI's shape.")
+
+
+def _window(text: str) -> float:
+    try:
+        return float(text[:-1]) * _UNITS[text[-1]]
+    except (KeyError, ValueError, IndexError):
+        raise click.BadParameter(f"{text!r} is not a duration like 24h or 90m") from None
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+# ---- submit --------------------------------------------------------------------------------------
+@click.command("submit")
+@click.argument("input_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=None, help="Model (queue) to run on. Default: the first line's model, else "
+              "the one model live workers serve, else 'default'.")
+@click.option("--wait", is_flag=True, help="Wait with a progress bar, writing results to OUTPUT as they land.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --wait: completed requests' lines [default: INPUT_FILE's name with .results].")
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --wait: bad input lines and failed requests [default: OUTPUT with .errors].")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature.")
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option("--completion-window", default="24h", show_default=True, help="Expire what has not run by then.")
+@json_option
+@job_server_errors
+def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | None, errors_file: Path | None,
+               max_tokens: int | None, temperature: float | None, priority: int, completion_window: str,
+               as_json: bool) -> None:
+    """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines) and print
+    the batch id. Bad lines are reported with their line numbers and the rest runs."""
+    window = _window(completion_window)
+    first_model = _first_model(input_file)
+    r = open_server()
+    queue = _queue(r, model if model is not None else first_model)
+    given = {"max_tokens": max_tokens, "temperature": temperature}
+    defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    batch_id = keys.new_batch_id()
+    try:
+        with _open_lines(input_file) as lines:
+            batch = submit(lines, r=r, model=queue, defaults=defaults, priority=priority, completion_window=window,
+                           input_name=str(input_file), batch_id=batch_id)
+    except KeyboardInterrupt:
+        cancel_batch(r, batch_id)
+        interrupted(f"interrupted while submitting: batch {batch_id} cancelled")
+    if batch.counts.total == 0:
+        if as_json:
+            _print_json(batch.to_openai())
+        first = f" ({_first_error(batch)})" if batch.errors else ""
+        raise UserError(f"no valid requests in {input_file}{first}")
+    if not wait:
+        _print_json(batch.to_openai()) if as_json else click.echo(batch.id)
+        if batch.counts.invalid:
+            click.echo(f"{batch.counts.invalid} bad lines, first {_first_error(batch)}; "
+                       f"`sluice results {batch.id} -o OUT` writes them to OUT's errors file", err=True)
+            sys.exit(EXIT_SOME_FAILED)
+        return
+    if not as_json:
+        click.echo(batch.id)
+    out = output or default_output_path(input_file)
+    files = ResultFiles(out, errors_file or default_errors_path(out))
+    _write_line_errors(r, batch, files, input_file)
+    final = _follow(r, batch, files, progress=True)
+    if as_json:
+        _print_json(final.to_openai())
+    _exit_for(final, files)
+
+
+def _first_error(batch: Batch) -> str:
+    e = batch.errors[0]
+    return f"line {e.line}: {e.message}"
+
+
+def _open_lines(path: Path) -> Any:
+    try:
+        # Undecodable bytes become U+FFFD: such a line is rejected by its parse, not the whole file.
+        return path.open(encoding="utf-8", errors="replace", newline="\n")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or one_line(e)}") from None
+
+
+def _first_model(path: Path) -> str | None:
+    """The model the first valid line names (a batch runs on one model)."""
+    with _open_lines(path) as f:
+        for line_no, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                return parse_line(text, line_no).model
+            except LineError:
+                continue
+    return None
+
+
+def _queue(r: redis.Redis, model: str | None) -> str:
+    try:
+        queue = resolve_model(r, model)
+    except UnknownModel as e:
+        raise UserError(str(e)) from None
+    if queue not in served_queues(r):
+        click.echo(f"note: no live worker serves {queue!r} yet; the jobs wait for `sluice worker --model {queue}`",
+                   err=True)
+    return queue
+
+
+def _custom_ids(path: Path, line_numbers: set[int]) -> dict[int, str]:
+    """custom_ids of some input lines, where they can be read (for the error lines of rejected ones)."""
+    found: dict[int, str] = {}
+    with _open_lines(path) as f:
+        for line_no, text in enumerate(f, 1):
+            if line_no in line_numbers:
+                try:
+                    cid = json.loads(text).get("custom_id")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(cid, str):
+                    found[line_no] = cid
+    return found
+
+
+def _write_line_errors(r: redis.Redis, batch: Batch, files: ResultFiles, input_file: Path | None = None) -> None:
+    errors = get_line_errors(r, batch.id) if batch.counts.invalid else []
+    cids = _custom_ids(input_file, {e.line for e in errors}) if input_file is not None and errors else {}
+    for e in errors:
+        files.add_line_error(e, cids.get(e.line))
+
+
+def _follow(r: redis.Redis, batch: Batch, files: ResultFiles, progress: bool, follow: bool = True) -> Batch:
+    """Write results as they land until the batch is final (or, without ``follow``, those there now)."""
+    bar = tqdm(total=batch.counts.total, initial=files.resumed_jobs, unit="req", file=sys.stderr,
+               disable=not progress or None, dynamic_ncols=True)
+    t0 = time.monotonic()
+    try:
+        for res in iter_results(r, batch.id, follow=follow):
+            if files.add_result(res):
+                bar.update(1)
+                bar.set_postfix_str(f"{files.tokens / max(time.monotonic() - t0, 1e-6):.0f} tok/s", refresh=False)
+    except KeyboardInterrupt:
+        bar.close()
+        files.close()
+        interrupted(f"stopped; batch {batch.id} runs on, and rerunning `sluice results {batch.id} "
+                    f"-o {files.out_path}` resumes")
+    bar.close()
+    files.close()
+    return require_batch(get_batch(r, batch.id), batch.id)
+
+
+def _exit_for(batch: Batch, files: ResultFiles) -> None:
+    click.echo(f"{batch.status}: {files.summary()}", err=True)
+    c = batch.counts
+    if c.failed or c.cancelled or c.expired or c.invalid:
+        sys.exit(EXIT_SOME_FAILED)
+
+
+# ---- status, results, cancel, batches --------------------------------------------------------------
+@click.command("status")
+@click.argument("batch_id")
+@click.option("--watch", is_flag=True, help="Refresh until the batch is final.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="With --watch.")
+@json_option
+@job_server_errors
+def status_cmd(batch_id: str, watch: bool, interval: float, as_json: bool) -> None:
+    """A batch's status, request counts, tokens/s and ETA."""
+    r = open_server()
+    try:
+        for batch in _watch(r, batch_id, watch, interval):
+            if as_json:
+                _print_json(batch.to_openai())
+                continue
+            if watch and sys.stdout.isatty():
+                click.clear()
+            click.echo(status_text(batch, rates(batch, recent_results(r, batch.id))))
+    except KeyboardInterrupt:
+        interrupted("stopped watching")
+
+
+def _watch(r: redis.Redis, batch_id: str, watch: bool, interval: float) -> Iterator[Batch]:
+    while True:
+        batch = require_batch(get_batch(r, batch_id), batch_id)
+        yield batch
+        if not watch or batch.is_final:
+            return
+        time.sleep(interval)
+
+
+@click.command("results")
+@click.argument("batch_id")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Completed requests' lines go here (appended to: a rerun resumes). Default: every line to stdout.")
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Failed requests and bad input lines [default: OUTPUT with .errors].")
+@click.option("--follow", is_flag=True, help="Keep writing results as they land until the batch is final.")
+@click.option("--progress/--no-progress", default=True, help="A progress bar while following into OUTPUT.")
+@job_server_errors
+def results_cmd(batch_id: str, output: Path | None, errors_file: Path | None, follow: bool, progress: bool) -> None:
+    """A batch's results so far (or, with --follow, as they land), as OpenAI batch output lines."""
+    r = open_server()
+    batch = require_batch(get_batch(r, batch_id), batch_id)
+    if output is None:
+        _results_to_stdout(r, batch, follow)
+        return
+    files = ResultFiles(output, errors_file or default_errors_path(output))
+    _write_line_errors(r, batch, files)
+    final = _follow(r, batch, files, progress=progress and follow, follow=follow)
+    _exit_for(final, files) if final.is_final else click.echo(f"{final.status}: {files.summary()}", err=True)
+
+
+def _results_to_stdout(r: redis.Redis, batch: Batch, follow: bool) -> None:
+    for e in get_line_errors(r, batch.id) if batch.counts.invalid else []:
+        click.echo(f"line {e.line}: {e.message}", err=True)
+    try:
+        for res in iter_results(r, batch.id, follow=follow):
+            echo_line(res)
+    except KeyboardInterrupt:
+        interrupted("stopped following")
+
+
+@click.command("cancel")
+@click.argument("batch_id")
+@json_option
+@job_server_errors
+def cancel_cmd(batch_id: str, as_json: bool) -> None:
+    """Cancel a batch: requests not yet finished are cancelled; finished results stay."""
+    r = open_server()
+    batch = require_batch(cancel_batch(r, batch_id), batch_id)
+    if batch.status not in ("cancelling", "cancelled"):
+        raise UserError(f"batch {batch_id} is already {batch.status}; nothing to cancel")
+    if as_json:
+        _print_json(batch.to_openai())
+        return
+    c = batch.counts
+    click.echo(f"{batch.id} {batch.status}: {c.completed} completed results kept, {c.cancelled} cancelled")
+
+
+@click.command("batches")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@json_option
+@job_server_errors
+def batches_cmd(limit: int, as_json: bool) -> None:
+    """List batches, newest first."""
+    r = open_server()
+    batches = list_batches(r, limit=limit)
+    if as_json:
+        _print_json({"object": "list", "data": [b.to_openai() for b in batches]})
+        return
+    if not batches:
+        click.echo("no batches", err=True)
+        return
+    click.echo(f"{'ID':<32} {'STATUS':<11} {'DONE/TOTAL':>13} {'FAILED':>7}  {'CREATED':<19}  MODEL")
+    for b in batches:
+        c = b.counts
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.created_at))
+        click.echo(f"{b.id:<32} {b.status:<11} {f'{c.done}/{c.total}':>13} {c.done - c.completed:>7}  {created}  "
+                   f"{b.model}")

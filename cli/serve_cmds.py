@@ -1,0 +1,179 @@
+"""Long-running commands: ``worker`` (one per accelerator), ``serve`` (the HTTP API) and ``up`` (the
+embedded job server, one worker and the API in one foreground process, for a laptop)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import click
+import redis
+
+from cli.common import ServerDown, UserError, job_server_errors, one_line, open_server, server_name
+from cli.options import engine_kwargs, with_engine_options
+from jobs.server import ENV_URL, find_server, stop_server
+from jobs.store import served_queues
+
+worker_options = [
+    click.option("--queue", default=None, help="The model name clients ask for [default: the --model string, "
+                 "or 'default' without one]."),
+    click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+                 help="Serve the worker's Prometheus metrics on this port."),
+    click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                 help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at once)."),
+]
+
+
+def with_worker_options(f: Any) -> Any:
+    for option in reversed(worker_options):
+        f = option(f)
+    return f
+
+
+def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
+    from worker import run_worker  # torch and the engine load only for the commands that run one
+
+    try:
+        return run_worker(model, **opts, **engine)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot start the worker: {one_line(e)}") from None
+
+
+@click.command("worker")
+@with_engine_options
+@with_worker_options
+@click.option("--worker-id", default=None, help="[default: <host>/<device>]")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
+              help="Stop after this many seconds with nothing to do.")
+@job_server_errors
+def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+               kv_cache_memory: str | None, policy: str, queue: str | None, metrics_port: int | None,
+               grace_period: float, worker_id: str | None, exit_when_idle: float | None) -> None:
+    """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
+    open_server().ping()  # the job server first: an unreachable one is reported before the model loads
+    engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
+    report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
+                         grace_period=grace_period, exit_when_idle=exit_when_idle)
+    click.echo(json.dumps(asdict(report)), err=True)
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve_cmd(host: str, port: int, log_level: str) -> None:
+    """The HTTP API (OpenAI Files + Batches, native jobs and results) under uvicorn.
+
+    SLUICE_API_KEY, when set, is the bearer token every /v1 request needs."""
+    import uvicorn
+
+    from api.app import create_app
+
+    _check_job_server()
+    sock = _bind(host, port)
+    click.echo(f"Sluice API on http://{host}:{sock.getsockname()[1]}/v1 (docs at /docs); job server: "
+               f"{server_name()}", err=True)
+    try:
+        uvicorn.Server(uvicorn.Config(create_app, factory=True, log_level=log_level)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it shut down on; that is the normal way to stop
+
+
+def _check_job_server() -> None:
+    """Start (or find) the job server now, so the first request does not wait for it; only warn if it is
+    down, since the API reports that itself (503, /healthz) and recovers when it is back."""
+    try:
+        open_server().ping()
+    except (redis.RedisError, ServerDown) as e:
+        click.echo(f"warning: the job server is unreachable ({server_name()}): {one_line(e)}", err=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The API's socket, bound now so a taken port is an error before anything else starts, and listening,
+    so clients that come before uvicorn does wait in the backlog rather than being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or one_line(e)}") from None
+    sock.listen(2048)
+    return sock
+
+
+class ApiThread:
+    """uvicorn in a thread of this process, opened once a worker is live (requests naming no model are
+    routed by which models live workers serve, so none should be taken before one is)."""
+
+    def __init__(self, sock: socket.socket, log_level: str = "warning") -> None:
+        import uvicorn
+
+        from api.app import create_app
+
+        self.sock = sock
+        self.server = uvicorn.Server(uvicorn.Config(create_app, factory=True, log_level=log_level))
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sluice-api", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        r = open_server()
+        while not self.stop_event.is_set():
+            try:
+                if served_queues(r):
+                    break
+            except redis.RedisError:
+                pass
+            self.stop_event.wait(0.2)
+        else:
+            return
+        host, port = self.sock.getsockname()[:2]
+        click.echo(f"Sluice API ready on http://{host}:{port}/v1 (docs at /docs); Ctrl-C stops everything", err=True)
+        self.server.run(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@click.command("up")
+@with_engine_options
+@with_worker_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@job_server_errors
+def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
+           policy: str, queue: str | None, metrics_port: int | None, grace_period: float, host: str, port: int) -> None:
+    """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
+
+    The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
+    started_here = not os.environ.get(ENV_URL) and find_server() is None
+    open_server().ping()
+    sock = _bind(host, port)
+    api = ApiThread(sock)
+    api.start()
+    engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
+    click.echo(f"loading {model or 'the default model'}; job server: {server_name()}", err=True)
+    t0 = time.monotonic()
+    try:
+        report = _run_worker(model, engine, queue=queue, metrics_port=metrics_port, grace_period=grace_period)
+        click.echo(f"worker stopped after {time.monotonic() - t0:.0f}s: {report.completed} completed, "
+                   f"{report.failed} failed", err=True)
+    except KeyboardInterrupt:  # before the worker took over Ctrl-C (while the model loaded)
+        click.echo("interrupted", err=True)
+    finally:
+        api.stop()
+        if started_here:
+            stop_server()
