@@ -1,0 +1,231 @@
+"""The HTTP API against a live ``sluice serve`` (a real uvicorn subprocess) and a worker on the tiny
+model: the official ``openai`` package runs the whole batch flow; native jobs and the progressive
+results download; auth, bad input, unknown ids; limits and a down job server in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from cli_api_helpers import (
+    chat_lines,
+    simple_lines,
+    sluice_home,
+    start_sluice,
+    stop,
+    tiny_worker,
+    wait_final,
+    wait_for_url,
+)
+from fastapi.testclient import TestClient
+from helpers import fresh_seed
+from jobs_helpers import wait_for
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from api.app import create_app
+from api.settings import Settings
+
+KEY = "sk-sluice-test"
+
+
+@dataclass
+class Live:
+    url: str
+    home: Path
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def http(self, key: str | None = KEY) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    home = tmp_path_factory.mktemp("api") / "home"
+    with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
+        log = home.parent / "serve.log"
+        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
+                            env={**os.environ, "SLUICE_API_KEY": KEY})
+        try:
+            yield Live(wait_for_url(proc, log, timeout=60), home)
+        finally:
+            assert stop(proc) == 0, log.read_text()
+
+
+def _upload(client: openai.OpenAI, lines: list[str], name: str = "input.jsonl") -> Any:
+    return client.files.create(file=(name, ("\n".join(lines) + "\n").encode()), purpose="batch")
+
+
+def test_openai_sdk_runs_the_whole_batch_flow(live: Live) -> None:
+    rng = random.Random(fresh_seed())
+    n, max_tokens = rng.randint(6, 14), rng.randint(2, 6)
+    lines = chat_lines(rng, n, max_tokens=max_tokens)
+    for i, text in enumerate(lines):  # the model named, "default", or left out: all run on the one worker
+        obj = json.loads(text)
+        if (choice := rng.choice(["tiny", "default", None])) is not None:
+            obj["body"]["model"] = choice
+        lines[i] = json.dumps(obj)
+    client = live.client()
+
+    f = _upload(client, lines, "prompts.jsonl")
+    assert (f.purpose, f.filename, f.bytes) == ("batch", "prompts.jsonl", len("\n".join(lines)) + 1)
+    assert client.files.retrieve(f.id).id == f.id
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"purpose": "test"})
+    assert batch.input_file_id == f.id and batch.request_counts.total == n and batch.metadata == {"purpose": "test"}
+    batch = wait_final(lambda: client.batches.retrieve(batch.id))
+
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (n, 0)
+    assert batch.error_file_id is None and batch.output_file_id
+    assert batch.created_at <= batch.in_progress_at <= batch.completed_at
+    content = client.files.content(batch.output_file_id).text
+    assert client.files.retrieve(batch.output_file_id).bytes == len(content.encode())
+    out = [json.loads(x) for x in content.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+    for x in out:
+        assert x["error"] is None and x["response"]["status_code"] == 200
+        body = ChatCompletion.model_validate(x["response"]["body"])
+        assert body.object == "chat.completion" and isinstance(body.choices[0].message.content, str)
+        assert 1 <= body.usage.completion_tokens <= max_tokens
+    assert batch.id in {b.id for b in client.batches.list(limit=1)}  # walks every page, one batch each
+
+
+def test_openai_sdk_cancel_gives_an_error_file(live: Live) -> None:
+    rng = random.Random(fresh_seed())
+    client = live.client()
+    n = 120
+    f = _upload(client, [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                     "body": {"prompt": p, "max_tokens": 32, "ignore_eos": True}})
+                         for i, p in enumerate(json.loads(x)["prompt"] for x in simple_lines(rng, n))])
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    batch = wait_final(lambda: client.batches.retrieve(batch.id))
+
+    c = batch.request_counts
+    assert batch.status == "cancelled" and batch.cancelled_at and c.total == n and c.completed + c.failed == n
+    assert c.failed > 0, "every request finished before the cancel"
+    errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert len(errors) == c.failed and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    if c.completed:
+        for x in map(json.loads, client.files.content(batch.output_file_id).text.splitlines()):
+            assert Completion.model_validate(x["response"]["body"]).object == "text_completion"
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: nothing changes
+
+
+def test_native_job_and_progressive_results(live: Live) -> None:
+    rng = random.Random(fresh_seed())
+    http = live.http()
+    job = http.post("/v1/jobs", json={"prompt": "The river", "max_tokens": 3}).json()
+    assert job["id"].startswith("job_") and job["status"] in ("in_progress", "completed")
+
+    def done() -> Any:
+        got = http.get(f"/v1/jobs/{job['id']}")
+        assert got.status_code == 200
+        return got.json() if got.json()["status"] == "completed" else None
+
+    finished = wait_for(done, 60, "the job")
+    assert finished["response"]["body"]["object"] == "text_completion"
+    assert finished["custom_id"] == "line-1" and finished["error"] is None
+
+    n = rng.randint(15, 30)
+    up = http.post("/v1/files", files={"file": ("s.jsonl", "\n".join(simple_lines(rng, n)).encode())},
+                   data={"purpose": "batch"})
+    assert up.status_code == 200, up.text
+    batch = http.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/completions",
+                                           "completion_window": "24h"}).json()
+    seen: list[str] = []
+    cursor, pages = "0", 0
+    while True:  # a progressive download: follow the cursor until the batch is final and read to its end
+        page = http.get(f"/v1/batches/{batch['id']}/results", params={"after": cursor, "limit": 4})
+        assert page.status_code == 200
+        seen += [json.loads(x)["custom_id"] for x in page.text.splitlines()]
+        cursor, pages = page.headers["Sluice-Cursor"], pages + 1
+        if page.headers["Sluice-Complete"] == "true":
+            break
+    assert sorted(seen) == sorted(f"job-{i}" for i in range(n)) and pages > n // 4
+
+
+def test_auth_health_metrics_and_schema(live: Live) -> None:
+    for key in (None, "wrong"):
+        r = live.http(key).get("/v1/batches")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        live.client("wrong").batches.list()
+    plain = live.http(None)
+    assert plain.get("/healthz").json() == {"status": "ok", "job_server": "ok", "workers": 1, "models": ["tiny"]}
+    assert 'sluice_live_workers{queue="tiny"} 1.0' in plain.get("/metrics").text
+    paths = plain.get("/openapi.json").json()["paths"]
+    assert {"/v1/files", "/v1/batches", "/v1/jobs", "/v1/batches/{batch_id}/results"} <= set(paths)
+    assert [m.id for m in live.client().models.list()] == ["tiny"]
+
+
+def test_bad_input_names_the_line_and_unknown_ids_are_404(live: Live) -> None:
+    rng = random.Random(fresh_seed())
+    client = live.client()
+    lines = chat_lines(rng, 8)
+    bad = rng.randrange(len(lines))
+    lines[bad] = lines[bad][:-7]  # torn JSON
+    with pytest.raises(openai.BadRequestError) as e:
+        _upload(client, lines)
+    err = e.value.response.json()["error"]
+    assert err["line"] == bad + 1 and err["message"].startswith(f"line {bad + 1}: not valid JSON"), err
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    f = _upload(client, chat_lines(rng, 2, model="gpt-4o-mini"))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.code == "model_not_found" and "tiny" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert e.value.code == "endpoint_mismatch"
+
+    for call in (lambda: client.files.retrieve("file-" + "0" * 24), lambda: client.files.content("file-nope"),
+                 lambda: client.files.retrieve("file-output-batch_nope"), lambda: client.batches.retrieve("batch_nope"),
+                 lambda: client.batches.cancel("batch_nope"),
+                 lambda: client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    http = live.http()
+    for path in ("/v1/jobs/job_nope", "/v1/batches/batch_nope/results", "/v1/jobs/batch_x"):
+        assert http.get(path).status_code == 404
+    assert http.get("/v1/batches", params={"after": "batch_nope"}).status_code == 404
+
+
+def test_limits_and_a_down_job_server(tmp_path: Path) -> None:
+    """In-process, with a job server that is not there: uploads are checked before it is needed."""
+    settings = Settings(api_key=None, max_upload_bytes=3000, max_batch_lines=5, max_prompt_chars=40,
+                        files_dir=tmp_path / "files", redis_url="redis://127.0.0.1:1/0")
+    c = TestClient(create_app(settings))
+
+    def upload(lines: list[str]) -> httpx.Response:
+        return c.post("/v1/files", files={"file": ("f.jsonl", "\n".join(lines).encode())}, data={"purpose": "batch"})
+
+    ok = [json.dumps({"custom_id": f"{i}", "prompt": "short"}) for i in range(6)]
+    r = upload(ok)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_lines" and r.json()["error"]["line"] == 6
+    r = upload([ok[0], json.dumps({"custom_id": "long", "prompt": "x" * 41})])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long" and r.json()["error"]["line"] == 2
+    r = upload([json.dumps({"custom_id": f"{i}", "prompt": "y" * 30}) for i in range(70)])
+    assert r.status_code == 413
+    r = upload([ok[0], ok[0]])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_custom_id"
+    assert upload(ok[:5]).status_code == 200
+    assert c.post("/v1/jobs", json={"prompt": "z" * 41}).status_code == 400
+
+    r = c.get("/v1/batches")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "job_server_unavailable"
+    assert c.get("/healthz").status_code == 503
+    assert "sluice_job_server_up 0.0" in c.get("/metrics").text
