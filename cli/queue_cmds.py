@@ -80,28 +80,40 @@ def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | N
     queue = _queue(r, model if model is not None else first_model)
     given = {"max_tokens": max_tokens, "temperature": temperature}
     defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    batch_id = keys.new_batch_id()
-    try:
-        with _open_lines(input_file) as lines:
-            batch = submit(lines, r=r, model=queue, defaults=defaults, priority=priority, completion_window=window,
-                           input_name=str(input_file), batch_id=batch_id)
-    except KeyboardInterrupt:
-        cancel_batch(r, batch_id)
-        interrupted(f"interrupted while submitting: batch {batch_id} cancelled")
+    batch = _submit_file(r, input_file, queue, defaults, priority, window)
     if batch.counts.total == 0:
         if as_json:
             _print_json(batch.to_openai())
         first = f" ({_first_error(batch)})" if batch.errors else ""
         raise UserError(f"no valid requests in {input_file}{first}")
-    if not wait:
-        _print_json(batch.to_openai()) if as_json else click.echo(batch.id)
-        if batch.counts.invalid:
-            click.echo(f"{batch.counts.invalid} bad lines, first {_first_error(batch)}; "
-                       f"`sluice results {batch.id} -o OUT` writes them to OUT's errors file", err=True)
-            sys.exit(EXIT_SOME_FAILED)
-        return
     if not as_json:
         click.echo(batch.id)
+    if wait:
+        _wait(r, batch, input_file, output, errors_file, as_json)
+        return
+    if as_json:
+        _print_json(batch.to_openai())
+    if batch.counts.invalid:
+        click.echo(f"{batch.counts.invalid} bad lines, first {_first_error(batch)}; "
+                   f"`sluice results {batch.id} -o OUT` writes them to OUT's errors file", err=True)
+        sys.exit(EXIT_SOME_FAILED)
+
+
+def _submit_file(r: redis.Redis, path: Path, queue: str, defaults: SamplingParams, priority: int,
+                 window: float) -> Batch:
+    batch_id = keys.new_batch_id()
+    try:
+        with _open_lines(path) as lines:
+            return submit(lines, r=r, model=queue, defaults=defaults, priority=priority, completion_window=window,
+                          input_name=str(path), batch_id=batch_id)
+    except KeyboardInterrupt:  # half a batch would wait forever in "validating"
+        cancel_batch(r, batch_id)
+        interrupted(f"interrupted while submitting: batch {batch_id} cancelled")
+        raise
+
+
+def _wait(r: redis.Redis, batch: Batch, input_file: Path, output: Path | None, errors_file: Path | None,
+          as_json: bool) -> None:
     out = output or default_output_path(input_file)
     files = ResultFiles(out, errors_file or default_errors_path(out))
     _write_line_errors(r, batch, files, input_file)
@@ -143,8 +155,8 @@ def _queue(r: redis.Redis, model: str | None) -> str:
     except UnknownModel as e:
         raise UserError(str(e)) from None
     if queue not in served_queues(r):
-        click.echo(f"note: no live worker serves {queue!r} yet; the jobs wait for `sluice worker --model {queue}`",
-                   err=True)
+        start = "sluice worker" + ("" if queue == "default" else f" --model {queue}")
+        click.echo(f"note: no live worker serves {queue!r} yet; the jobs wait for one (`{start}`)", err=True)
     return queue
 
 
@@ -247,7 +259,10 @@ def results_cmd(batch_id: str, output: Path | None, errors_file: Path | None, fo
     files = ResultFiles(output, errors_file or default_errors_path(output))
     _write_line_errors(r, batch, files)
     final = _follow(r, batch, files, progress=progress and follow, follow=follow)
-    _exit_for(final, files) if final.is_final else click.echo(f"{final.status}: {files.summary()}", err=True)
+    if final.is_final:
+        _exit_for(final, files)
+    else:
+        click.echo(f"{final.status} (so far): {files.summary()}", err=True)
 
 
 def _results_to_stdout(r: redis.Redis, batch: Batch, follow: bool) -> None:

@@ -71,7 +71,7 @@ def test_submit_wait_then_status_results_and_resume(home: Path, tmp_path: Path) 
     assert res.exit_code == 0 and len(res.stdout.splitlines()) == n and res.stderr.count("line ") == 2
     again = tmp_path / "again.jsonl"
     assert invoke("results", bid, "-o", again).exit_code == EXIT_SOME_FAILED
-    assert again.read_text() == "".join(json.dumps(x) + "\n" for x in map(json.loads, res.stdout.splitlines()))
+    assert read_jsonl(again) == [json.loads(x) for x in res.stdout.splitlines()]
     torn = again.read_text()[: len(again.read_text()) // 2]  # an interrupted run: half the lines, one torn
     again.write_text(torn)
     assert invoke("results", bid, "-o", again).exit_code == EXIT_SOME_FAILED
@@ -116,3 +116,12 @@ def test_user_errors_are_one_line_and_an_exit_code(home: Path, tmp_path: Path) -
     down = {"SLUICE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     for args in (("submit", ok), ("status", "b"), ("results", "b"), ("cancel", "b"), ("batches",)):
         assert_one_line_error(invoke(*args, env=down), EXIT_SERVER_DOWN, "cannot reach the job server")
+
+
+def test_worker_command_serves_a_queue_until_idle(home: Path, tiny_model_dir: Path) -> None:
+    res = invoke("worker", "--model", tiny_model_dir, "--queue", "tiny", "--worker-id", "cli-worker", "--dtype",
+                 "float32", "--kv-cache-memory", "8MiB", "--exit-when-idle", "0.5")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stderr.strip().splitlines()[-1])["worker_id"] == "cli-worker"
+    assert_one_line_error(invoke("worker", "--model", home / "no-such-model", "--exit-when-idle", "0.5"),
+                          EXIT_USER_ERROR, "cannot start the worker")
