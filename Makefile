@@ -15,9 +15,10 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q -ra
 
+# The embedded job server, a worker and the sample batch through the queue (scripts/demo.sh --help);
+# e.g. make demo DEMO_ARGS="--model HuggingFaceTB/SmolLM2-360M-Instruct".
 demo: install
-	$(VENV)/bin/sluice generate cli/samples/demo.jsonl -o demo-results.jsonl --max-tokens 64
-	head -n 3 demo-results.jsonl
+	PYTHON=$(VPY) scripts/demo.sh $(DEMO_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
