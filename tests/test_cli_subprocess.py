@@ -75,7 +75,7 @@ def test_submit_status_results_cancel(up: Up, tmp_path: Path) -> None:
         assert sorted(x["id"] for x in read_jsonl(again)) == sorted(x["id"] for x in read_jsonl(out))
 
     big = tmp_path / "big.jsonl"
-    big.write_text("\n".join(simple_lines(rng, 200, max_tokens=48, ignore_eos=True)) + "\n")
+    big.write_text("\n".join(simple_lines(rng, 400, max_tokens=64, ignore_eos=True)) + "\n")
     res = up.sluice("submit", big, "--json")
     assert res.returncode == 0, res.stderr
     bid2 = json.loads(res.stdout)["id"]
