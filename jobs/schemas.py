@@ -336,7 +336,7 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise ValueError("body.response_format other than text is not supported")
-    sampling = {k: body[k] for k in _OPENAI_SAMPLING if k in body and body[k] is not None}
+    sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     if body.get("logprobs"):
@@ -348,7 +348,7 @@ def _completions_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     _check_body_keys(body, _OPENAI_SAMPLING | {"prompt", "logprobs", "best_of"})
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise ValueError("body.best_of other than n is not supported")
-    sampling = {k: body[k] for k in _OPENAI_SAMPLING if k in body and body[k] is not None}
+    sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("logprobs") is not None:
         sampling["logprobs"] = body["logprobs"]
     return {"kind": "completion", **_completion_prompt(body.get("prompt"))}, sampling

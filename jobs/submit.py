@@ -142,7 +142,7 @@ class _Submission:
     def _check(self, job: Job) -> None:
         if job.custom_id in self.seen:
             raise LineError(job.line, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
-        wanted = keys.queue_name(job.model) if job.model is not None else None
+        wanted = None if job.model is None else self.model if job.model == self.model else keys.queue_name(job.model)
         if self.model is None:
             self.model = wanted or "default"
             self.r.hset(keys.meta(self.bid), "model", self.model)

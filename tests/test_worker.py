@@ -264,8 +264,8 @@ def test_stop_finishes_in_flight_and_leaves_the_rest(r: redis.Redis, tiny_model_
 def test_sigterm_drains_within_the_grace_period(r: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Jobs too long for the grace period are handed back; another worker finishes them."""
     rng = random.Random(fresh_seed())
-    n = 30
-    b = submit(prompt_lines(n, rng, max_tokens=120), r=r, model="tiny")
+    n = 12
+    b = submit(prompt_lines(n, rng, max_tokens=300), r=r, model="tiny")
     log = tmp_path / "worker.log"
     p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "6", "--grace-period", "1", log=log)
     try:
@@ -277,7 +277,7 @@ def test_sigterm_drains_within_the_grace_period(r: redis.Redis, tiny_model_dir: 
         p.kill()
     report = json.loads(log.read_text().strip().splitlines()[-1])
     assert report["released"] > 0 and held_by(r, b.id, "w1") == 0 and not r.exists(keys.heartbeat("w1"))
-    w = ThreadWorker(engine(RecordingLLM, tiny_model_dir, max_num_seqs=30))
+    w = ThreadWorker(engine(RecordingLLM, tiny_model_dir, max_num_seqs=12))
     wait_for(lambda: final(r, b.id), 120, "the batch to finish")
     w.join()
     assert_exactly_once(r, b.id, n)

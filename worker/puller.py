@@ -52,6 +52,11 @@ class Puller:
     def max_held(self) -> int:
         return self.max_num_seqs + self.lookahead
 
+    @property
+    def min_pull(self) -> int:
+        """While the engine still has jobs waiting, pull only this many or more at a time (fewer round trips)."""
+        return max(1, self.lookahead // 2)
+
     def budget(self, held: int, running: int, waiting: int, free_blocks: int) -> int:
         """Jobs to ask for now: as many as can start (slots and blocks), plus the look-ahead, minus
         those already waiting; never more than ``max_held`` in all."""

@@ -21,8 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from jobs import keys
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
+from jobs.server import connect
 from jobs.store import queue_depth
 from worker.convert import bare_result, completion_to_result, job_to_request
 from worker.link import Link
@@ -35,6 +39,7 @@ T = TypeVar("T")
 
 FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
 DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
+CANCEL_BLOCK_MS = 250  # the cancel listener's blocking read; also how long it takes to notice a stop
 
 
 @dataclass
@@ -122,6 +127,10 @@ class Worker:
         self.t = _Timers()
         self.claim_every = opts.claim_interval or opts.heartbeat_ttl / 2
         self.cancel_cursor = self._latest_cancel()
+        self.cancel_events: deque[tuple[str, str | None, str]] = deque()  # filled by the cancel listener
+        self._wake = threading.Event()  # outcomes to write
+        self._bg_stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.draining = False
         self.drain_deadline = 0.0
         self.started = time.monotonic()
@@ -179,6 +188,11 @@ class Worker:
             self.metrics.serve(self.o.metrics_port)
         log.info("worker %s on queue %r: %d KV blocks, holds at most %d jobs", self.id, self.o.queue,
                  self.llm.num_total_blocks, self.puller.max_held)
+        # Writing results and cancel news happen beside the step loop, so a step never waits on Redis.
+        for target in (self._background, self._listen_cancels):
+            t = threading.Thread(target=target, name=f"sluice-{target.__name__.strip('_')}", daemon=True)
+            t.start()
+            self._threads.append(t)
         try:
             while not self._finished():
                 self._tick()
@@ -188,16 +202,59 @@ class Worker:
         return self.report
 
     def _tick(self) -> None:
-        self._maintain(time.monotonic())
-        self._redis(self._poll_cancels)
+        now = time.monotonic()
+        if now >= self.t.heartbeat:  # from this loop, so a hung engine stops its heartbeat
+            self.t.heartbeat = now + self.o.heartbeat_ttl / 3
+            self._redis(self._heartbeat)
+        self._apply_cancels()
         if not self.draining:
             self._fill()
         stepped = self._step()
         if len(self.writer):
-            self._redis(self._flush)
+            self._wake.set()
         self._observe()
         if not stepped:
             self.stop_event.wait(self.o.poll_interval)
+
+    def _background(self) -> None:
+        """Write outcomes as they come, and the periodic upkeep; until stopped with nothing left to write."""
+        while True:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            stopping = self._bg_stop.is_set()
+            try:
+                if len(self.writer):
+                    self._redis(self._flush)
+                if not stopping:
+                    self._upkeep(time.monotonic())
+            except Exception:  # noqa: BLE001 - this thread must not die: results would never be written
+                log.exception("background writer")
+                time.sleep(0.5)
+            if stopping:
+                return
+
+    def _listen_cancels(self) -> None:
+        """Block on the queue's cancel stream; the step loop applies what arrives before its next step."""
+        key, client, url = keys.cancels(self.o.queue), None, None
+        while not self._bg_stop.is_set():
+            try:
+                if client is None or url != self.link.url:
+                    url = self.link.url
+                    client = connect(url, retry=Retry(NoBackoff(), 0), socket_timeout=5.0, socket_connect_timeout=1.0)
+                got = client.xread({key: self.cancel_cursor}, count=256, block=CANCEL_BLOCK_MS)
+            except REDIS_DOWN:
+                time.sleep(0.2)
+                continue
+            for _, entries in got or []:
+                for eid, f in entries:
+                    self.cancel_cursor = eid
+                    self.cancel_events.append((f["b"], f.get("i") or None, f.get("s") or "cancelled"))
+        if client is not None:
+            client.close()
+
+    def _apply_cancels(self) -> None:
+        while self.cancel_events:
+            self._cancel(*self.cancel_events.popleft())
 
     def _redis(self, fn: Callable[..., T], *args: Any) -> T | None:
         """Run a Redis round trip unless Redis is down; note whether it answered."""
@@ -212,10 +269,7 @@ class Worker:
             self._redis(self._heartbeat)
         return out
 
-    def _maintain(self, now: float) -> None:
-        if now >= self.t.heartbeat:
-            self.t.heartbeat = now + self.o.heartbeat_ttl / 3
-            self._redis(self._heartbeat)
+    def _upkeep(self, now: float) -> None:
         if now >= self.t.housekeeping and not self.draining:
             self.t.housekeeping = now + self.o.housekeeping_interval
             self._redis(lambda: housekeep_if_due(self.link.r, self.id, self.o.housekeeping_interval,
@@ -232,7 +286,7 @@ class Worker:
                             llm.num_total_blocks)
         self.metrics.outbox.set(len(self.writer))
         self.metrics.redis_up.set(1 if self.link.up else 0)
-        self.report.max_held = max(self.report.max_held, len(self.held))
+        self.report.max_held = max(self.report.max_held, len(self.held) + len(self.writer))
         if self.held or len(self.writer):
             self.t.busy = time.monotonic()
 
@@ -246,10 +300,13 @@ class Worker:
                 self._start(self.isolating)
             return
         llm = self.llm
-        n = self.puller.budget(len(self.held), llm.num_running, llm.num_waiting, llm.num_free_blocks)
-        if n > 0:
-            for d in self._redis(self._pull, n) or []:
-                self._admit(d)
+        # Finished jobs stay pending in Redis until their outcome is written: they count as held.
+        held = len(self.held) + len(self.writer)
+        n = self.puller.budget(held, llm.num_running, llm.num_waiting, llm.num_free_blocks)
+        if n <= 0 or (n < self.puller.min_pull and llm.num_waiting > 0):
+            return  # the engine has work queued: pull when a few more fit, in one round trip
+        for d in self._redis(self._pull, n) or []:
+            self._admit(d)
 
     def _pull(self, n: int) -> list[Delivery]:
         r = self.link.r
@@ -257,7 +314,7 @@ class Worker:
         now = time.monotonic()
         if now >= self.t.claim:
             self.t.claim = now + self.claim_every
-            held_entries = {h.d.entry_id for h in self.held.values()}
+            held_entries = {h.d.entry_id for h in self.held.values()} | self.writer.entry_ids()
             got = self.puller.claim(r, n, held_entries)
             self.report.claimed += len(got)
         if len(got) < n:
@@ -437,13 +494,6 @@ class Worker:
                 setattr(self.report, w.outcome.status, getattr(self.report, w.outcome.status) + 1)
 
     # ---- cancels ---------------------------------------------------------------------------------
-    def _poll_cancels(self) -> None:
-        got = self.link.r.xread({keys.cancels(self.o.queue): self.cancel_cursor}, count=256)
-        for _, entries in got or []:
-            for eid, f in entries:
-                self.cancel_cursor = eid
-                self._cancel(f["b"], f.get("i") or None, f.get("s") or "cancelled")
-
     def _cancel(self, batch_id: str, idx: str | None, status: str) -> None:
         hit = [h for h in self.held.values()
                if h.job.batch_id == batch_id and (idx is None or h.job.idx == int(idx))]
@@ -506,6 +556,10 @@ class Worker:
             self._old_signals[sig] = signal.signal(sig, handler)
 
     def _close(self) -> None:
+        self._bg_stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=FLUSH_AFTER_GRACE)
         for sig, old in self._old_signals.items():
             signal.signal(sig, old)
         # Gone at once, so other workers may claim whatever we still held without waiting out the TTL.

@@ -8,6 +8,7 @@ the XACK for a job that already has its outcome.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -42,20 +43,30 @@ class Written:
 
 
 class Writer:
+    """Filled by the step loop, flushed by one background thread."""
+
     def __init__(self) -> None:
         self.outbox: deque[Outcome] = deque()
+        self._lock = threading.Lock()  # a deque must not change while a chunk is copied out of it
 
     def add(self, outcome: Outcome) -> None:
-        self.outbox.append(outcome)
+        with self._lock:
+            self.outbox.append(outcome)
 
     def __len__(self) -> int:
         return len(self.outbox)
+
+    def entry_ids(self) -> set[str]:
+        """Stream entries whose outcome waits here: still pending in Redis, but not orphans."""
+        with self._lock:
+            return {o.entry_id for o in self.outbox if o.entry_id}
 
     def flush(self, r: redis.Redis, scripts: Scripts, now: float) -> list[Written]:
         """Write everything held, oldest first. Raises REDIS_DOWN with the unwritten rest still held."""
         written: list[Written] = []
         while self.outbox:
-            chunk = list(islice(self.outbox, CHUNK))
+            with self._lock:
+                chunk = list(islice(self.outbox, CHUNK))
             pipe = r.pipeline(transaction=False)
             for o in chunk:
                 _record(scripts, pipe, o, now)
@@ -68,7 +79,8 @@ class Writer:
         for o, reply in zip(chunk, replies, strict=True):
             if isinstance(reply, REDIS_DOWN):
                 raise reply  # this outcome and the ones after it stay held
-            self.outbox.popleft()
+            with self._lock:
+                self.outbox.popleft()
             if isinstance(reply, Exception):
                 # Not retryable (e.g. the batch was deleted meanwhile): retrying would loop forever.
                 log.error("writing the outcome of %s:%s failed: %s", o.batch_id, o.idx, reply)
