@@ -1,6 +1,7 @@
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
+DEMO_ARGS ?=
 
 .PHONY: install test demo lint bench
 

@@ -1,0 +1,326 @@
+"""The README cannot drift from the code: every command, flag, environment variable, make target, compose
+service and path it names exists; its configuration tables list every flag and variable with the
+defaults the code has; and its OpenAI SDK example runs against a live API."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+PACKAGES = ["cli", "api", "jobs", "worker", "engine", "kernels"]
+ENV_NAME = r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+"
+# Variables the README documents that other software reads, and which one.
+THIRD_PARTY_ENV = {"HF_HOME": "huggingface_hub (transformers' hub cache)"}
+
+
+# ---- reading the README ----------------------------------------------------------------------------
+def code_blocks() -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+
+
+def section(title: str) -> str:
+    m = re.search(rf"^(#+) {re.escape(title)}\n(.*?)(?=^#{{1,2}} |\Z)", README, re.M | re.S)
+    assert m, f"no section {title!r} in the README"
+    return m.group(2)
+
+
+def tables(text: str = README) -> list[list[dict[str, str]]]:
+    """Markdown tables as lists of {header: cell}."""
+    found = []
+    for block in re.findall(r"((?:^\|.*\|\n)+)", text, re.M):
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.strip().splitlines()]
+        found.append([dict(zip(rows[0], r, strict=True)) for r in rows[2:]])
+    return found
+
+
+def table_with(header: str, first_cell: str) -> list[dict[str, str]]:
+    """The table whose first column is ``header`` and that has a row starting with ``first_cell``."""
+    for t in tables():
+        if t and header in t[0] and any(first_cell in r[header] for r in t):
+            return t
+    raise AssertionError(f"no table with a {header!r} column holding {first_cell!r}")
+
+
+def ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def command_lines() -> Iterator[list[str]]:
+    """Shell command lines of the README's non-Python code blocks, as words, comments dropped, split at &&."""
+    for lang, body in code_blocks():
+        if lang == "python":
+            continue
+        for line in body.splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue  # the ASCII picture and the folder map are not commands
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                yield words[:cut]
+                words = words[cut + 1:]
+
+
+def commands_of(program: str) -> list[list[str]]:
+    """The README's command lines running ``program``, from after it, leading VAR=value words dropped."""
+    found = []
+    for words in command_lines():
+        while words and re.fullmatch(rf"{ENV_NAME}=.*", words[0]):
+            words = words[1:]
+        if words and words[0] in ("export", ".") or not words:
+            continue
+        if " ".join(words).startswith(program + " ") or words == [program]:
+            found.append(words[len(program.split()):])
+    return found
+
+
+def flags(words: list[str]) -> list[str]:
+    return [w.split("=", 1)[0] for w in words if w.startswith("-") and w != "-"]
+
+
+# ---- the sluice command -----------------------------------------------------------------------------
+@cache
+def help_text(command: str) -> str:
+    result = CliRunner().invoke(cli, [*command.split(), "--help"])
+    assert result.exit_code == 0, f"`sluice {command} --help` failed:\n{result.output}"
+    return result.output
+
+
+def has_option(help_output: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_output.split("Options:", 1)[-1]) is not None
+
+
+def test_every_sluice_command_and_flag_in_the_readme_exists() -> None:
+    lines = commands_of("sluice")
+    assert len(lines) >= 8
+    used = set()
+    for words in lines:
+        while words and words[0].startswith("-"):  # group options such as -v
+            assert has_option(help_text(""), words[0]), f"sluice {words[0]}"
+            words = words[1:]
+        if not words:
+            continue
+        command = words[0]
+        assert command in cli.commands, f"the README runs `sluice {command}`, which does not exist"
+        used.add(command)
+        for flag in flags(words[1:]):
+            assert has_option(help_text(command), flag), f"`sluice {command}` has no {flag}"
+    # The quick start shows the whole lifecycle of a batch.
+    assert {"up", "submit", "status", "results", "cancel", "batches", "worker", "serve", "generate"} <= used
+
+
+def _commands_in(cell: str) -> list[str]:
+    return [""] if cell.startswith("(all") else [c.strip() for c in cell.split(",")]
+
+
+def test_flag_table_lists_every_option_with_its_default() -> None:
+    covered: set[tuple[str, str]] = set()
+    for row in table_with("Flag", "--max-num-seqs"):
+        names = ticked(row["Flag"])
+        for command in _commands_in(row["Commands"]):
+            cmd = cli if command == "" else cli.commands[command]
+            for name in names:
+                assert has_option(help_text(command), name), f"{command or 'sluice'} has no {name}"
+            (param,) = {p for p in cmd.params if set(names) <= set(p.opts) | set(p.secondary_opts)}
+            covered.add((command, param.name))
+            _check_default(row["Default"], param, click.Context(cmd), f"{command} {names[0]}")
+    every = {("", p.name) for p in cli.params}
+    every |= {(name, p.name) for name, c in cli.commands.items() for p in c.params
+              if isinstance(p, click.Option) and p.name != "help"}
+    missing = sorted(f"sluice {c} --{n.replace('_', '-')}" for c, n in every - covered)
+    assert not missing, f"the README's flag table misses {missing}"
+
+
+def _check_default(cell: str, param: click.Parameter, ctx: click.Context, what: str) -> None:
+    default = param.get_default(ctx)
+    if param.required:
+        assert cell == "required", f"{what} is required"
+    elif isinstance(param, click.Option) and param.is_bool_flag:
+        assert ("on" if default else "off") in cell.split(), f"{what}: the default is {'on' if default else 'off'}"
+    elif default is not None:
+        assert str(default) in ticked(cell), f"{what}: the default is {default!r}, the README says {cell!r}"
+
+
+# ---- environment variables ---------------------------------------------------------------------------
+def _sources() -> str:
+    return "\n".join(p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _read_by_sluice() -> set[str]:
+    """Every SLUICE_* name the packages spell as a string (what os.environ is read with)."""
+    return set(re.findall(r"""["'](SLUICE_[A-Z0-9_]+)["']""", _sources()))
+
+
+def _names_in_readme() -> set[str]:
+    spans = {s for s in re.findall(r"`([^`\n]+)`", README) if re.fullmatch(ENV_NAME, s)}
+    assigned = set(re.findall(rf"\b({ENV_NAME})=", README))
+    expanded = set(re.findall(rf"\$\{{?({ENV_NAME})", README))
+    read = set(re.findall(rf"""environ\.get\(["']({ENV_NAME})["']""", README))
+    return spans | assigned | expanded | read
+
+
+def _compose_variables() -> set[str]:
+    return set(re.findall(rf"(?<!\$)\$\{{({ENV_NAME})", (ROOT / "docker-compose.yml").read_text()))
+
+
+def _script_variables() -> set[str]:
+    text = "\n".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))
+    return set(re.findall(rf"\$\{{?({ENV_NAME})", text))
+
+
+def _make_variables() -> set[str]:
+    return set(re.findall(rf"^({ENV_NAME}) \??=", (ROOT / "Makefile").read_text(), re.M))
+
+
+def test_every_environment_variable_the_readme_names_is_read_somewhere() -> None:
+    names = _names_in_readme()
+    assert {"SLUICE_HOME", "SLUICE_REDIS_URL", "SLUICE_API_KEY"} <= names
+    known = _read_by_sluice() | _compose_variables() | _script_variables() | _make_variables() | set(THIRD_PARTY_ENV)
+    assert not names - known, f"the README names variables nothing reads: {sorted(names - known)}"
+
+
+def test_environment_tables_are_complete() -> None:
+    sluice_vars = {ticked(r["Variable"])[0] for r in table_with("Variable", "`SLUICE_HOME`")}
+    assert not _read_by_sluice() - sluice_vars, f"missing from the table: {sorted(_read_by_sluice() - sluice_vars)}"
+    assert not sluice_vars - _read_by_sluice() - _script_variables() - set(THIRD_PARTY_ENV)
+    compose_vars = {ticked(r["Variable"])[0] for r in table_with("Variable", "`SLUICE_KV_CACHE_MEMORY`")}
+    assert compose_vars == _compose_variables()
+    demo = " ".join(r["Setting"] for r in table_with("Setting", "DEMO_ARGS"))
+    for name in ("SLUICE_DEMO_MODEL", "PYTHON", "DEMO_ARGS"):
+        assert f"`{name}`" in demo
+
+
+def test_environment_defaults_match_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.settings import Settings
+
+    for name in _read_by_sluice():
+        monkeypatch.delenv(name, raising=False)
+    s = Settings()
+    rows = {ticked(r["Variable"])[0]: r["Default"] for r in table_with("Variable", "`SLUICE_HOME`")}
+    for name, value in {"SLUICE_MAX_UPLOAD_BYTES": s.max_upload_bytes, "SLUICE_MAX_BATCH_LINES": s.max_batch_lines,
+                        "SLUICE_MAX_PROMPT_CHARS": s.max_prompt_chars}.items():
+        assert ticked(rows[name]) == [str(value)], name
+    compose = (ROOT / "docker-compose.yml").read_text()
+    for r in table_with("Variable", "`SLUICE_KV_CACHE_MEMORY`"):
+        name, cell = ticked(r["Variable"])[0], r["Default"]
+        m = re.search(rf"\$\{{{name}:([-?])([^}}]*)\}}", compose)
+        assert m, name
+        assert (m[1] == "?" and cell == "required") or (ticked(cell) == [m[2]] if m[2] else cell.startswith("empty"))
+
+
+# ---- other programs: make, scripts, docker compose -----------------------------------------------------
+def test_make_targets_and_scripts_exist() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    targets = [w[0] for w in commands_of("make") if w]
+    assert {"demo", "test", "install", "bench"} <= set(targets)
+    for target in targets:
+        assert re.search(rf"^{target}:", makefile, re.M), f"no make target {target}"
+    demo_help = subprocess.run(["bash", "scripts/demo.sh", "--help"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout
+    for m in re.finditer(r'DEMO_ARGS="([^"]*)"', README):
+        for flag in flags(shlex.split(m[1])):
+            assert flag in demo_help, f"scripts/demo.sh has no {flag}"
+    assert commands_of("bench/gpu_check.sh") and (ROOT / "bench" / "gpu_check.sh").exists()
+
+
+def test_benchmark_flags_exist() -> None:
+    lines = commands_of("python bench/throughput.py")
+    assert lines
+    out = subprocess.run([sys.executable, "bench/throughput.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    for words in lines:
+        for flag in flags(words):
+            assert has_option(out, flag), f"bench/throughput.py has no {flag}"
+
+
+def test_docker_compose_commands_name_real_services_and_profiles() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    profiles = {p for s in services.values() for p in s.get("profiles", [])}
+    lines = commands_of("docker compose")
+    assert lines
+    for words in lines:
+        subcommand, rest = None, list(words)
+        while rest:
+            w = rest.pop(0)
+            if w == "--profile":
+                assert rest.pop(0) in profiles
+            elif w.startswith("-"):
+                continue
+            elif subcommand is None:
+                subcommand = w
+            else:
+                assert w in services, f"docker compose {' '.join(words)}: no service {w}"
+    # The per-GPU services the README describes (worker-gpu2 is its how-to-add example, not in the file).
+    named = set(re.findall(r"`(worker-gpu\d)`", README)) - {"worker-gpu2"}
+    assert named and named <= set(services) and "--scale worker-gpu0=2" in README
+
+
+# ---- paths and the architecture map -------------------------------------------------------------------
+def test_paths_the_readme_names_exist() -> None:
+    top = "|".join(["scripts", "docker", "bench", "tests", *PACKAGES])
+    paths = set(re.findall(rf"(?<![\w/.~$-])((?:{top})/[\w./-]*)", README))
+    paths = {p.rstrip(".") for p in paths if not p.startswith("bench/out")}  # bench/out/ is a run's output
+    assert "cli/samples/demo.jsonl" in paths and "jobs/keys.py" in paths
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"the README names paths that do not exist: {missing}"
+    for name in ("docker-compose.yml", "Makefile"):
+        assert f"`{name}`" in README and (ROOT / name).exists()
+
+
+def test_architecture_map_covers_every_package() -> None:
+    arch = section("Architecture")
+    mapped = set(re.findall(r"^(\w+)/ ", arch, re.M))
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages <= mapped, f"missing from the architecture map: {sorted(packages - mapped)}"
+    assert all((ROOT / d).is_dir() for d in mapped)
+
+
+def test_readme_sections() -> None:
+    for title in ("Two commands", "Why continuous batching", "Quick start (CLI)", "The HTTP API with the OpenAI SDK",
+                  "docker-compose", "Configuration", "Benchmarks", "Architecture", "Redis layout and sharding",
+                  "Celery"):
+        section(title)
+    bench = section("Benchmarks")
+    assert "Placeholder" in bench and "_TBD_" in bench  # no invented numbers until the lead measures
+    from jobs import keys
+
+    assert "{<batch_id>}" in section("Redis layout and sharding") and "{<batch_id>}" in (keys.__doc__ or "")
+
+
+# ---- the OpenAI SDK example, run --------------------------------------------------------------------
+def test_openai_example_runs_against_a_live_api(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from cli_api_helpers import sluice_home, start_sluice, stop, tiny_worker, wait_for_url
+
+    (example,) = [body for lang, body in code_blocks() if lang == "python"]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in example
+    key = "sk-readme"
+    with sluice_home(tmp_path / "home"), tiny_worker(tiny_model_dir, queue="tiny"):
+        log = tmp_path / "serve.log"
+        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
+                            env={**os.environ, "SLUICE_API_KEY": key})
+        try:
+            url = wait_for_url(proc, log, timeout=60)
+            code = example.replace("http://127.0.0.1:8000", url)
+            run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SLUICE_API_KEY": key},
+                                 capture_output=True, text=True, timeout=120)
+        finally:
+            assert stop(proc) == 0, log.read_text()
+    assert run.returncode == 0, run.stderr
+    assert set(re.findall(r"^(q\d+) ", run.stdout, re.M)) == {"q0", "q1"}, run.stdout
