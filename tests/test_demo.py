@@ -52,6 +52,21 @@ def assert_all_stopped(pgid: int, home: Path, timeout: float = 10.0) -> None:
     assert not left, f"still running after the demo: {left}"
 
 
+def _worker_live(home: Path) -> bool:
+    """A worker has loaded its model and serves a queue of the job server of ``home``."""
+    from jobs.server import connect, find_server
+    from jobs.store import served_queues
+
+    server = find_server(home)
+    if server is None:
+        return False
+    r = connect(server.url)
+    try:
+        return bool(served_queues(r))
+    finally:
+        r.close()
+
+
 def _demo(tmp_path: Path, *args: str, home: Path | None = None) -> subprocess.Popen[str]:
     # A new session, as a terminal gives the command it runs; SIGINT at its default, so a test runner
     # started with SIGINT ignored (a background job) still lets the script trap it as Ctrl-C does.
@@ -87,10 +102,10 @@ def test_demo_ctrl_c_stops_everything(tiny_model_dir: Path, tmp_path: Path) -> N
     proc = _demo(tmp_path, "--model", str(tiny_model_dir), "-o", str(tmp_path / "out.jsonl"), "--max-tokens", "3000",
                  *WORKER_FLAGS[:-1], "1", home=home)
     deadline = time.monotonic() + 90
-    while not (tmp_path / "out.jsonl").exists():  # submit is waiting on the batch
+    while not (tmp_path / "out.jsonl").exists() or not _worker_live(home):  # the batch is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.2)
-    time.sleep(2)
+    time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     log, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, log
