@@ -323,4 +323,4 @@ def test_openai_example_runs_against_a_live_api(tiny_model_dir: Path, tmp_path: 
         finally:
             assert stop(proc) == 0, log.read_text()
     assert run.returncode == 0, run.stderr
-    assert set(re.findall(r"^(q\d+) ", run.stdout, re.M)) == {"q0", "q1"}, run.stdout
+    assert {"q0", "q1"} <= set(re.findall(r"^(q\d+) ", run.stdout, re.M)), run.stdout
