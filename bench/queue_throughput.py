@@ -86,9 +86,12 @@ def occupancy_engine(engine_kwargs: dict[str, Any], model: str | None, total: in
             super().__init__(model, **engine_kwargs)
             self.samples: list[tuple[int, int]] = []  # (running during the step, unfinished before it)
             self.remaining = total
+            self.step_time = 0.0  # seconds inside step(): the rest of the wall time is overhead
 
         def step(self) -> Any:
+            t = time.perf_counter()
             out = super().step()
+            self.step_time += time.perf_counter() - t
             # Those still running plus those that finished in this step (n = 1 here).
             self.samples.append((self.num_running + len(out), self.remaining))
             self.remaining -= len(out)
@@ -165,6 +168,7 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([_warmup_request()])  # first-step costs (allocation, kernels) out of the timing
         llm.samples.clear()
         llm.remaining = len(prompts)
+        llm.step_time = 0.0
         print(f"  {name} ...", flush=True)
         res = bench_in_process(llm, prompts, args.max_tokens) if name == "in_process" else \
             bench_queue(llm, prompts, args.max_tokens, args.redis_url)
@@ -172,8 +176,10 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
             for p in prompts[:64])
         cap = capacity(llm, int(prompt_len), args.max_tokens)
-        res.update(capacity=cap, occupancy=steady_occupancy(llm.samples, cap))
-        print(f"    {res['tokens_per_s']:.1f} tok/s, occupancy {res['occupancy']:.1%} of {cap} sequences")
+        res.update(capacity=cap, occupancy=steady_occupancy(llm.samples, cap), engine_s=llm.step_time,
+                   outside_engine=1 - llm.step_time / res["wall_s"])
+        print(f"    {res['tokens_per_s']:.1f} tok/s, occupancy {res['occupancy']:.1%} of {cap} sequences, "
+              f"{res['outside_engine']:.1%} of the wall time outside engine steps")
         if name not in results or res["tokens_per_s"] > results[name]["tokens_per_s"]:
             results[name] = res
     results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]

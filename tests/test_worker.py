@@ -265,12 +265,11 @@ def test_sigterm_drains_within_the_grace_period(r: redis.Redis, tiny_model_dir: 
     """Jobs too long for the grace period are handed back; another worker finishes them."""
     rng = random.Random(fresh_seed())
     n = 12
-    b = submit(prompt_lines(n, rng, max_tokens=300), r=r, model="tiny")
+    b = submit(prompt_lines(n, rng, max_tokens=1000), r=r, model="tiny")
     log = tmp_path / "worker.log"
-    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "6", "--grace-period", "1", log=log)
+    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "6", "--grace-period", "0.2", log=log)
     try:
         wait_for(lambda: held_by(r, b.id, "w1") > 0 and r.exists(keys.heartbeat("w1")), 120, "w1 at work")
-        time.sleep(0.5)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0, log.read_text()[-3000:]
     finally:

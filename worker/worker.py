@@ -115,7 +115,8 @@ class Worker:
         self.link = Link(opts.redis_url)
         self.id = self._take_identity(opts.worker_id or default_worker_id(llm), explicit=opts.worker_id is not None)
         lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
-        self.puller = Puller(opts.queue, self.id, max_seqs, lookahead, getattr(cfg, "block_size", 16))
+        self.block_size = getattr(cfg, "block_size", 16)
+        self.puller = Puller(opts.queue, self.id, max_seqs, lookahead, self.block_size)
         self.writer = Writer()
         self.metrics = WorkerMetrics(opts.queue, self.id)
         self.report = WorkerReport(worker_id=self.id)
@@ -145,7 +146,7 @@ class Worker:
             if self._try_heartbeat(wid, wait=explicit):
                 return wid
             if explicit:
-                raise RuntimeError(f"worker id {wid!r} is held by a live worker")
+                raise ValueError(f"worker id {wid!r} is held by a live worker; pick another --worker-id")
         raise AssertionError("unreachable")
 
     def _try_heartbeat(self, wid: str, wait: bool) -> bool:
@@ -375,7 +376,6 @@ class Worker:
             self._settle(h.d, "failed", "invalid_request", str(e))
             return
         try:
-            self.puller.observe(self.llm.blocks_needed(req))
             self.llm.add_request(req)
         except Exception as e:  # noqa: BLE001 - whatever the engine raises, it is this job's failure
             log.exception("the engine refused job %s", h.job.id)
@@ -403,6 +403,9 @@ class Worker:
         if h is None:
             return  # aborted meanwhile
         self._forget(h)
+        # Its KV need, known now without tokenizing the prompt a second time, informs the next pulls.
+        p = h.job.params
+        self.puller.observe(p.n * -(-(c.usage.prompt_tokens + p.max_tokens) // self.block_size))
         res = completion_to_result(h.job, c, self.llm.tokenizer, started=h.pulled_at, worker=self.id,
                                    model=self.o.queue)
         self.writer.add(Outcome(h.job.batch_id, h.job.idx, res.status, res.model_dump_json(exclude_none=True),
