@@ -98,7 +98,8 @@ def test_submit_records_bad_lines_and_enqueues_the_rest(r: redis.Redis) -> None:
     for i in bad:
         lines[i] = rng.choice(['{"prompt": 3}', "{oops", '{"prompt": "x", "max_tokens": -1}', "[]"])
     lines.insert(10, "   ")  # blank lines are skipped, and still counted as lines
-    lines.append(json.dumps({"custom_id": "job-0", "prompt": "again"}))  # a duplicate custom_id
+    dup = next(i for i in range(50) if i not in bad)
+    lines.append(json.dumps({"custom_id": f"job-{dup}", "prompt": "again"}))  # a duplicate of a good line
     b = submit(lines, r=r, model="tiny", chunk=7)
     assert b.status == "in_progress" and b.model == "tiny"
     assert b.counts.total == 45 and b.counts.invalid == 6
