@@ -4,7 +4,8 @@ Sharding: everything about one batch carries the hash tag ``{<batch_id>}`` (its 
 consumer group, meta and counters, results, dead letters), so the one atomic write per completion
 (result + counters + results stream + XACK) touches a single Redis Cluster slot, and batches spread
 over the cluster. The few keys outside a batch (the batch index, each model's list of active job
-streams, cancel events, worker heartbeats) are small and are never part of an atomic write.
+streams, cancel events, worker heartbeats, batches whose Celery completion signature is due) are
+small and are never part of an atomic write.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def heartbeat(worker_id: str) -> str:
 
 def worker_pattern() -> str:
     return f"{PREFIX}:worker:*"
+
+
+def completions() -> str:
+    """List of batch ids whose completion signature is due; the Celery side sends them (jobs/celery_app.py)."""
+    return f"{PREFIX}:celery:completions"
 
 
 def housekeeping_lock() -> str:

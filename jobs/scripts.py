@@ -38,10 +38,12 @@ end
 # ARGV: idx, status, result JSON, stream entry id to ack ('' for none), dead-letter JSON ('' for none),
 #       now, group
 # -> {1 if this write gave the job its outcome else 0, final batch status reached or ''}
+# A batch deleted meanwhile (a Celery generate drops its own once read) gets nothing written back,
+# so a write retried after a lost reply cannot leave stray keys.
 RECORD = _FINISH + """
 local fresh = 0
 local fin = ''
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   local rid = redis.call('XADD', KEYS[3], '*', 'i', ARGV[1], 'r', ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[1], rid)
   redis.call('HINCRBY', KEYS[1], ARGV[2], 1)

@@ -70,14 +70,33 @@ def retire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> Non
     """After a batch reached a final state: out of the open set and its streams off the queue.
     Idempotent; housekeeping repeats it for a process that died between the two."""
     now = now if now is not None else time.time()
-    model = r.hget(keys.meta(batch_id), "model") or "default"
+    model, on_complete = r.hmget(keys.meta(batch_id), "model", "on_complete")
+    if model is None:  # deleted meanwhile (a Celery generate drops its batch once read): nothing to index
+        r.zrem(keys.open_batches(), batch_id)
+        return
+    if on_complete:  # before leaving the open set: housekeeping retries a retire that died before this
+        queue_completion(r, batch_id, now)
     pipe = r.pipeline(transaction=False)
     pipe.zrem(keys.open_batches(), batch_id)
     pipe.zadd(keys.finished_batches(), {batch_id: now}, nx=True)
     streams = [keys.jobs(batch_id, p) for p in priorities(r, batch_id)]
     if streams:
-        pipe.zrem(keys.active_streams(model), *streams)
+        pipe.zrem(keys.active_streams(model or "default"), *streams)
     pipe.execute()
+
+
+def queue_completion(r: redis.Redis, batch_id: str, now: float) -> bool:
+    """Queue the batch's completion signature for the Celery side, once, after its last outcome.
+
+    The HSETNX is the claim: of all the processes that retire a batch (the worker writing its last
+    result, a canceller, housekeeping retrying), one queues it. At most once: a process dying between
+    the claim and the RPUSH loses it."""
+    if not _final(r, batch_id):
+        return False  # an expired batch is final before its sweep wrote every outcome; the sweep retires it again
+    if not r.hsetnx(keys.meta(batch_id), "on_complete_queued_at", now):
+        return False
+    r.rpush(keys.completions(), batch_id)
+    return True
 
 
 def delete_batch(r: redis.Redis, batch_id: str) -> None:
@@ -132,6 +151,16 @@ def _final(r: redis.Redis, batch_id: str) -> bool:
     if status is None:
         return True
     return status in FINAL_BATCH_STATUSES and sum(int(x or 0) for x in done) >= int(total or 0)
+
+
+def await_result(r: redis.Redis, batch_id: str, block: float) -> Result | None:
+    """The batch's first result (a one-job batch's only one), waiting at most ``block`` seconds for it:
+    a blocking XREAD the writer's XADD wakes at once, no polling."""
+    got = r.xread({keys.results(batch_id): "0-0"}, count=1, block=max(1, int(block * 1000)))
+    for _, entries in got or []:
+        for _, fields in entries:
+            return Result.model_validate_json(fields["r"])
+    return None
 
 
 def recent_results(r: redis.Redis, batch_id: str, n: int = 256) -> list[Result]:

@@ -38,17 +38,18 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
            defaults: SamplingParams | None = None, priority: int = 0,
            completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
            input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK,
-           endpoint: str | None = None) -> Batch:
+           endpoint: str | None = None, on_complete: dict[str, Any] | None = None) -> Batch:
     """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
 
     ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
     it, the first line's ``model`` (or "default") does, and lines naming another model are rejected.
     ``endpoint`` (OpenAI's batch endpoint) defaults to the URL of the first job's kind.
+    ``on_complete`` (a Celery signature as a dict) is sent once when the batch ends (store.retire_batch).
     """
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
     sub.endpoint = endpoint
-    sub.create(completion_window, metadata, input_name)
+    sub.create(completion_window, metadata, input_name, on_complete)
     for line_no, text in enumerate(lines, 1):
         if text.strip():
             sub.add(line_no, text)
@@ -109,13 +110,16 @@ class _Submission:
         self.errors: list[str] = []
         self.endpoint: str | None = None
 
-    def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None) -> None:
+    def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
+               on_complete: dict[str, Any] | None = None) -> None:
         fields: dict[str, Any] = {
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
             "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
             "invalid": 0, "priorities": "", "sealed": 0, "endpoint": self.endpoint or "",
         }
+        if on_complete is not None:  # with the batch from the start: it may end before submit returns
+            fields["on_complete"] = json.dumps(on_complete)
         if self.r.exists(keys.meta(self.bid)):
             raise ValueError(f"batch {self.bid} already exists")
         pipe = self.r.pipeline(transaction=False)
