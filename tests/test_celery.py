@@ -8,8 +8,10 @@ they ran and what their batch looked like, which is how "once" and "after the la
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +57,7 @@ SETTLE = 2.5  # seconds to let a second firing show up, were there one (the send
 class Stack:
     r: redis.Redis
     log: Path
+    tmp: Path  # holds pipeline.py, the README's stages, which the Celery worker loads
 
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
@@ -69,23 +72,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         url = redis_url()
         app.conf.update(broker_url=url, result_backend=url)
         log = tmp / "celery.log"
+        (tmp / "pipeline.py").write_text(readme_python()[0])
         node = f"sluice-test-{os.getpid()}@localhost"
-        proc = _start_celery(node, log)
+        proc = _start_celery(node, log, tmp)
         r = connect()
         try:
             _wait_ready(proc, node, log)
-            yield Stack(r, log)
+            yield Stack(r, log, tmp)
         finally:
             _stop(proc)
             r.close()
             _redis.cache_clear()
 
 
-def _start_celery(node: str, log: Path) -> subprocess.Popen:
+def _start_celery(node: str, log: Path, tmp: Path) -> subprocess.Popen:
     cmd = [CELERY, "-A", "jobs.celery_app", "worker", "--pool", "threads", "--concurrency", "64",
-           "--include", "test_celery_stages", "--without-mingle", "--without-gossip", "--hostname", node,
+           "--include", "test_celery_stages,pipeline", "--without-mingle", "--without-gossip", "--hostname", node,
            "--loglevel", "INFO"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp)])}
     out = log.open("ab")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -120,6 +124,12 @@ def gpu_worker(model_dir: Path) -> Iterator[ThreadWorker]:
         yield w
     finally:
         w.join()
+
+
+def readme_python() -> list[str]:
+    """The Python blocks of the README's Celery section: the stages module, then the client."""
+    text = (ROOT / "README.md").read_text().split("\n## Celery\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
 
 
 def words(rng: random.Random) -> str:
@@ -273,3 +283,22 @@ def test_racing_retirers_queue_the_signature_once_and_only_after_every_outcome(s
     (run,) = fired(r, bid)
     assert run["status"] == "expired" and run["results"] == 4, run
     assert not r.llen(keys.completions()), "the sender left completions unsent"
+
+
+# ---- the README's worked example ------------------------------------------------------------------
+def test_the_readme_example_runs(stack: Stack, tiny_model_dir: Path) -> None:
+    _, client = readme_python()
+    out = stack.tmp / "unique.jsonl"
+    assert '"unique.jsonl"' in client
+    code = client.replace('"unique.jsonl"', repr(str(out)))  # where the Celery worker writes it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(stack.tmp)])}
+    with gpu_worker(tiny_model_dir):
+        run = subprocess.run([sys.executable, "-c", code], cwd=stack.tmp, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr
+        bid = re.search(r"^queued (\S+)$", run.stdout, re.M)[1]
+        wait_for(out.exists, 90, f"the pipeline's last stage to write {out}\n{stack.log_tail()}")
+    batch = get_batch(stack.r, bid)
+    assert batch.status == "completed" and batch.counts.completed == 100
+    texts = [json.loads(x)["text"] for x in out.read_text().splitlines()]
+    assert texts and len(texts) == len(set(texts)) and all(len(t) > 20 for t in texts)
