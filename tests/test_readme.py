@@ -308,7 +308,7 @@ def test_readme_sections() -> None:
 def test_openai_example_runs_against_a_live_api(tiny_model_dir: Path, tmp_path: Path) -> None:
     from cli_api_helpers import sluice_home, start_sluice, stop, tiny_worker, wait_for_url
 
-    (example,) = [body for lang, body in code_blocks() if lang == "python"]
+    (example,) = [body for lang, body in code_blocks() if lang == "python" and "from openai import" in body]
     assert 'base_url="http://127.0.0.1:8000/v1"' in example
     key = "sk-readme"
     with sluice_home(tmp_path / "home"), tiny_worker(tiny_model_dir, queue="tiny"):
