@@ -123,6 +123,7 @@ class Worker:
         self.held: dict[str, Held] = {}  # job id -> Held
         self.by_rid: dict[str, Held] = {}  # engine request id -> Held
         self.suspects: deque[Held] = deque()  # jobs of a failed step, to rerun one at a time
+        self.to_release: list[Held] = []  # aborted at shutdown, not yet handed back to the queue
         self.isolating: Held | None = None
         self.rids = itertools.count()
         self.t = _Timers()
@@ -520,7 +521,10 @@ class Worker:
             return False
         if self.held:
             self._release_all()
-        return not len(self.writer) or now > self.drain_deadline + FLUSH_AFTER_GRACE
+        if self.to_release:  # retried each tick: Redis may be down, or backing off after a slow reply
+            self._redis(self._requeue)
+        pending = len(self.writer) or self.to_release
+        return not pending or now > self.drain_deadline + FLUSH_AFTER_GRACE
 
     def _begin_drain(self, now: float) -> None:
         self.draining = True
@@ -534,17 +538,17 @@ class Worker:
             self._abort(h)
             self._forget(h)
         self.suspects.clear()
+        self.to_release += left
+        log.info("releasing %d unfinished jobs", len(left))
 
-        def requeue() -> None:
-            pipe = self.link.r.pipeline(transaction=False)
-            for h in left:
-                self.link.scripts.requeue(keys=[h.d.stream], client=pipe, args=[
-                    h.d.entry_id, keys.GROUP, h.job.model_dump_json(exclude_none=True), h.d.deliveries - 1])
-            pipe.execute()
-            self.report.released += len(left)
-
-        self._redis(requeue)
-        log.info("released %d unfinished jobs", len(left))
+    def _requeue(self) -> None:
+        pipe = self.link.r.pipeline(transaction=False)
+        for h in self.to_release:
+            self.link.scripts.requeue(keys=[h.d.stream], client=pipe, args=[
+                h.d.entry_id, keys.GROUP, h.job.model_dump_json(exclude_none=True), h.d.deliveries - 1])
+        pipe.execute()
+        self.report.released += len(self.to_release)
+        self.to_release = []
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
