@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -77,7 +78,8 @@ class _Group:
     q_rows: torch.Tensor  # [B, Q] packed query row of each padded query (pads point at row 0)
     q_valid: torch.Tensor  # [B, Q] bool
     blocks: torch.Tensor  # [B * nb] the sequences' block ids, flattened
-    mask: torch.Tensor  # [1, B, 1, Q, L] bool, True where a query may see a key
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True where a query may see a key
+    rows: torch.Tensor | None = None  # the same blocks as rows of every head's cache (built at first use)
 
 
 def _make_group(meta: AttentionMetadata, idx: torch.Tensor, block_size: int) -> _Group:
@@ -96,24 +98,43 @@ def _make_group(meta: AttentionMetadata, idx: torch.Tensor, block_size: int) -> 
     q_pos = (seq_lens - q_lens)[:, None] + qi[None, :]
     mask = (kj[None, None, :] <= q_pos[:, :, None]) & (kj[None, None, :] < seq_lens[:, None, None])
     blocks = meta.block_tables[idx][:, :nb].long().flatten()
-    return _Group(q_rows, q_valid, blocks, mask[None, :, None])
+    return _Group(q_rows, q_valid, blocks, mask[:, None])
+
+
+def _length_buckets(idx: torch.Tensor, seq_lens: torch.Tensor, min_size: int = 16,
+                    max_ratio: float = 1.5) -> list[torch.Tensor]:
+    """Split sequences, sorted by length, where the longest would exceed ``max_ratio`` times the
+    shortest of its bucket; a bucket keeps at least ``min_size`` sequences (each costs a call per layer)."""
+    lens, order = seq_lens[idx].sort()
+    buckets, start = [], 0
+    lens_list = lens.tolist()
+    for i, n in enumerate(lens_list):
+        if i - start >= min_size and n > max_ratio * lens_list[start] and len(lens_list) - i >= min_size:
+            buckets.append(idx[order[start:i]])
+            start = i
+    buckets.append(idx[order[start:]])
+    return buckets
 
 
 class TorchAttention:
     """PyTorch attention for CPU, vectorised over the batch.
 
-    Decodes (one query each) and prompt chunks are attended as two groups, so a long prompt chunk does
-    not pad every decode to its length. Each group gathers its sequences' whole blocks once per layer,
-    and GQA is a grouped matmul: the query heads that share a KV head are stacked, which on CPU is far
-    faster than expanding K/V or the library's GQA path.
+    Decodes (one query each) and prompt chunks are attended in separate groups, and decodes are
+    bucketed by context length, so no sequence is padded far past its own length. Each group gathers
+    its sequences' whole blocks once per layer (reading the KV cache is what a CPU decode step mostly
+    spends its time on), and GQA is plain attention with the query heads of a KV head stacked.
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
     def prepare(self, meta: AttentionMetadata) -> list[_Group]:
-        return [_make_group(meta, idx, self.block_size) for idx in (meta.decode_idx, meta.prefill_idx)
-                if idx is not None and idx.numel()]
+        parts = []
+        if meta.decode_idx is not None and meta.decode_idx.numel():
+            parts += _length_buckets(meta.decode_idx, meta.seq_lens)
+        if meta.prefill_idx is not None and meta.prefill_idx.numel():
+            parts.append(meta.prefill_idx)
+        return [_make_group(meta, idx, self.block_size) for idx in parts]
 
     def forward(
         self,
@@ -151,12 +172,24 @@ def _attend_group(q: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor, g: _G
     h_kv, d = k_hm.shape[0], k_hm.shape[-1]
     group = q.shape[1] // h_kv
     lm = g.mask.shape[-1]
-    # [B, Q, Hq, D] -> [Hkv, B, G*Q, D]: per KV head, each sequence's query heads side by side.
-    qg = q[g.q_rows].view(b, qm, h_kv, group, d).permute(2, 0, 3, 1, 4).reshape(h_kv, b, group * qm, d)
-    keys = k_hm.index_select(1, g.blocks).view(h_kv, b, lm, d)
-    vals = v_hm.index_select(1, g.blocks).view(h_kv, b, lm, d)
-    scores = torch.matmul(qg, keys.transpose(2, 3)).view(h_kv, b, group, qm, lm).float() * scale
-    scores.masked_fill_(~g.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(h_kv, b, group * qm, lm)
-    out = torch.matmul(probs, vals)  # [Hkv, B, G*Q, D]
-    return out.view(h_kv, b, group, qm, d).permute(1, 3, 0, 2, 4).reshape(b, qm, h_kv * group, d)
+    # [B, Q, Hq, D] -> [B, Hkv, G*Q, D]: per KV head, each sequence's query heads side by side, so GQA is
+    # plain attention with G*Q queries (the library's own GQA path is slow on CPU).
+    qg = q[g.q_rows].view(b, qm, h_kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, group * qm, d)
+    keys = _gather_blocks(k_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
+    vals = _gather_blocks(v_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
+    mask = g.mask if qm == 1 else g.mask.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
+    return out.view(b, h_kv, group, qm, d).permute(0, 3, 1, 2, 4).reshape(b, qm, h_kv * group, d)
+
+
+def _gather_blocks(cache_hm: torch.Tensor, g: _Group) -> torch.Tensor:
+    """Copy the group's blocks out of a head-major cache as ``[Hkv, B * nb, block_size, D]``.
+
+    Seen as a 2-D table of whole (head, block) rows, this is one row gather, which runs at memcpy
+    speed; selecting along the block dimension of the 4-D tensor was several times slower."""
+    h, num_blocks = cache_hm.shape[0], cache_hm.shape[1]
+    if g.rows is None:
+        heads = torch.arange(h, device=g.blocks.device)[:, None] * num_blocks
+        g.rows = (heads + g.blocks[None, :]).flatten()
+    table = cache_hm.view(h * num_blocks, -1)
+    return table.index_select(0, g.rows).view(h, g.blocks.numel(), *cache_hm.shape[2:])
