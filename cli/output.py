@@ -13,6 +13,7 @@ from typing import IO, Any
 
 import click
 
+from jobs.jsonl import values_in
 from jobs.schemas import LineErrorInfo, Result, line_error_to_output_line, result_to_output_line
 
 
@@ -28,24 +29,7 @@ def default_errors_path(output: Path) -> Path:
 
 
 def _ids_in(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    _drop_torn_tail(path)
-    ids = set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for text in f:
-            try:
-                ids.add(json.loads(text)["id"])
-            except (ValueError, KeyError, TypeError):
-                continue
-    return ids
-
-
-def _drop_torn_tail(path: Path) -> None:
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    return values_in(path, "id")
 
 
 class ResultFiles:

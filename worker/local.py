@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from engine.llm import LLM
 from engine.outputs import Completion
+from jobs.jsonl import values_in
 from jobs.schemas import Job, LineError, SamplingParams, parse_line, result_to_output_line
 from worker.convert import completion_to_result, job_to_request
 
@@ -28,28 +29,13 @@ class GenerateSummary:
     completion_tokens: int = 0
 
 
-def read_done_ids(output: Path) -> set[str]:
-    """custom_ids already answered in ``output`` (a torn last line from a crash is ignored)."""
-    done: set[str] = set()
-    if not output.exists():
-        return done
-    for text in output.read_text().splitlines():
-        try:
-            done.add(json.loads(text)["custom_id"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return done
-
-
 def generate_file(input_path: Path, output_path: Path, *, model: str | None, engine_kwargs: dict[str, Any],
                   defaults: SamplingParams | None = None, resume: bool = False, progress: bool = True,
                   llm: LLM | None = None) -> GenerateSummary:
     summary = GenerateSummary()
-    done = read_done_ids(output_path) if resume else set()
+    done = values_in(output_path, "custom_id") if resume else set()
     if not resume:
         output_path.write_text("")
-    elif output_path.exists():
-        _drop_torn_tail(output_path)
     with output_path.open("a") as out, input_path.open() as src:
         jobs = list(_read_jobs(src, defaults, done, out, summary))
         if not jobs:
@@ -68,14 +54,6 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
 
         engine.generate([job_to_request(j) for j in jobs], progress=progress, on_finish=write)
     return summary
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """A crash mid-write leaves a last line without its newline: cut it, its request runs again."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: IO[str],
