@@ -134,5 +134,7 @@ def test_demo_help_and_bad_arguments() -> None:
 
 def test_make_demo_runs_the_script() -> None:
     """`make demo` is the script (with the environment's python), not a second copy of the steps."""
-    dry = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under `make test` this is a nested make, which would add "Leaving directory".
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "demo"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
     assert "scripts/demo.sh" in dry.splitlines()[-1] and "PYTHON=" in dry.splitlines()[-1]
