@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass
@@ -20,12 +21,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     policy: str = "continuous"  # "static" exists only as the benchmark baseline
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu (C++ op) | torch (PyTorch fallback) | triton
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {self.attention_backend!r}")

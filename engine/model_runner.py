@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
+from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
@@ -30,6 +32,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_tables = BlockTableRows(config.max_num_seqs)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -102,33 +105,32 @@ class ModelRunner:
         return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
-        bs = self.block_size
-        ids: list[int] = []
-        positions, slots = [], []
-        seq_lens, q_lens, samplers, last_rows = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
-            q_lens.append(n)
-            seq_lens.append(end)
-            if end == seq.num_tokens:  # the last known token is computed: its logits give the next one
-                samplers.append(seq)
-                last_rows.append(len(ids) - 1)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        """Pack the step: every array is computed by numpy over the whole batch; per sequence, Python
+        only reads its counters and new token ids."""
+        bs, seqs = self.block_size, batch.seqs
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        q_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        ends = starts + q_lens
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        new_tokens = (s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True))
+        ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=int(cu[-1]))
+        rows = self.block_tables.rows_for(seqs)
+        token_seq = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(cu[-1]) - cu[token_seq] + starts[token_seq]
+        slots = self.block_tables.table[rows[token_seq], positions // bs].astype(np.int64) * bs + positions % bs
+        # A sequence whose last known token is computed this step samples its next one from that row.
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        sampling = np.flatnonzero(ends == num_tokens)
+        width = -(-int(ends.max()) // bs)
+        q_lens_t = torch.from_numpy(q_lens)
         meta = AttentionMetadata(
-            query_start_loc=torch.nn.functional.pad(q_lens_t.cumsum(0, dtype=torch.int32), (1, 0)),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).long(),
-            block_tables=torch.from_numpy(tables),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)),
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(self.block_tables.table[rows, :width]),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(ends.max()),
             decode_idx=torch.nonzero(q_lens_t == 1).flatten(),
             prefill_idx=torch.nonzero(q_lens_t > 1).flatten(),
         )
@@ -136,19 +138,32 @@ class ModelRunner:
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
             meta.groups = prepare(meta)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(self.device)
-        return input_ids, pos_t, meta, torch.tensor(last_rows, dtype=torch.long, device=self.device), samplers
+        input_ids = torch.from_numpy(ids).to(self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        last_rows = torch.from_numpy(cu[1:][sampling] - 1).to(self.device)
+        return input_ids, pos_t, meta, last_rows, [seqs[i] for i in sampling.tolist()]
 
 
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on CUDA; on CPU the C++ op, or PyTorch where it cannot be built."""
     name = config.attention_backend
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+        if name == "cpu":
+            from kernels.cpu_attention import available
+
+            ok, why = available()
+            if not ok:
+                log.warning("C++ CPU attention unavailable (%s); using the PyTorch fallback", why)
+                name = "torch"
     if name == "triton":
         from engine.triton_attention import TritonAttention
 
         return TritonAttention()
+    if name == "cpu":
+        from engine.cpu_attention import CpuPagedAttention
+
+        return CpuPagedAttention()
     return TorchAttention(config.block_size)
 
 

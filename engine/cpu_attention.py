@@ -1,0 +1,38 @@
+"""Attention on the CPU by a C++ op that reads K/V blocks in place (``kernels/cpu/paged_attention.cpp``).
+
+Same interface as ``TorchAttention``, which stays as the fallback where the op cannot be built. The
+PyTorch path copies every sequence's blocks out of the cache once per layer before attending; at a
+batch of a hundred and more that copy, not the model's matmuls, was most of a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, head_major, store_kv
+
+
+class CpuPagedAttention:
+    """Write the step's K/V into the paged cache, then attend from it in place, decodes and prompt
+    chunks alike, in one call per layer."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        from kernels.cpu_attention import paged_attention
+
+        k_hm, v_hm = head_major(k_cache), head_major(v_cache)
+        store_kv(k, v, k_hm, v_hm, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        return paged_attention(out, q, k_hm, v_hm, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                               sliding_window, logits_soft_cap)

@@ -1,0 +1,303 @@
+// Paged attention on the CPU, reading K/V blocks where they lie in the cache.
+//
+// One work item is (query row, KV head): the item's query heads (GQA group) share each key and value
+// row it loads, so the cache is read once per item and never copied. A query row at position p sees
+// keys in (p - window, p]. Two passes per item: scores for every visible key, then softmax and the
+// weighted sum of values. Items run on torch's own thread pool with a shared counter, longest
+// sequences first, because item costs vary with context length and a static split idles a core.
+//
+// Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
+// are not separate worlds here either.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// exp for the softmax, in a form the compiler vectorises (libm's expf is a scalar call): exp(x) =
+// 2^n * e^r with |r| <= ln2/2, e^r by a degree-6 polynomial; within 2 ulp of expf for x >= -87.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void from_float(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Key and value rows as float vectors. With AVX-512 (compiled with -march=native on a machine that
+// has it) one 16-float register per chunk of head_dim; the generic path below serves every other CPU.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// scores[g * stride + j] = q_g . k_j for the n rows of one block (q already scaled, in float).
+template <int NC, typename T>
+inline void block_scores(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
+                         int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + g * NC * 16 + c * 16);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* row = k + j * k_tok;
+      __m512 acc = _mm512_mul_ps(qv[0], load16(row));
+      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], load16(row + c * 16), acc);
+      scores[g * stride + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// acc_g += sum_j w[g * stride + j] * v_j over the n rows of one block.
+template <int NC, typename T>
+inline void block_values(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
+                         float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 a[NC];
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 wj = _mm512_set1_ps(w[g * stride + j]);
+      const T* row = v + j * v_tok;
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(wj, load16(row + c * 16), a[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, a[c]);
+  }
+}
+#endif
+
+// The same for any head_dim and CPU (NC = 0).
+template <int NC, typename T>
+inline void block_scores_generic(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, int64_t dim,
+                                 float* scores, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* row = k + j * k_tok;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += q[g * dim + d] * to_float(row[d]);
+      scores[g * stride + j] = s;
+    }
+  }
+}
+
+template <int NC, typename T>
+inline void block_values_generic(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
+                                 int64_t dim, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* a = acc + g * dim;
+    for (int64_t j = 0; j < n; ++j) {
+      const float wj = w[g * stride + j];
+      const T* row = v + j * v_tok;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += wj * to_float(row[d]);
+    }
+  }
+}
+
+// Ask for a block's rows ahead of use: blocks lie wherever the allocator put them, so the hardware
+// prefetcher, which stops at page boundaries, does not see the next one coming.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t n, int64_t tok_stride, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T)), stride = tok_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + j * stride + b, 0, 2);
+}
+
+struct Item {
+  int64_t row;  // query row in the packed step
+  int64_t seq;  // sequence it belongs to
+  int64_t pos;  // its position in the sequence
+};
+
+template <int NC, typename T>
+void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_tables, const std::vector<Item>& items, double scale, int64_t window,
+            double soft_cap) {
+  const int64_t num_q_heads = q.size(1), dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t group = num_q_heads / num_kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t k_head = k_cache.stride(0), k_block = k_cache.stride(1), k_tok = k_cache.stride(2);
+  const int64_t v_head = v_cache.stride(0), v_block = v_cache.stride(1), v_tok = v_cache.stride(2);
+  const int64_t table_row = block_tables.stride(0);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    int64_t i;
+    while ((i = next.fetch_add(1, std::memory_order_relaxed)) < num_items) {
+      const Item& it = items[i / num_kv_heads];
+      const int64_t h = i % num_kv_heads;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, it.pos - window + 1) : 0;
+      const int64_t n = it.pos + 1 - first;
+      scores.resize(group * n);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + it.row * q_row + (h * group + g) * q_head;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
+      }
+      const int32_t* table = tables + it.seq * table_row;
+      // Pass 1: scores, a block at a time: the block's rows stay in L1 while every query head reads them.
+      for (int64_t t = first; t <= it.pos;) {
+        const int64_t off = t % block_size, n_blk = std::min(block_size - off, it.pos + 1 - t);
+        const T* k = kp + h * k_head + table[t / block_size] * k_block + off * k_tok;
+        float* s = scores.data() + (t - first);
+        // The next key block for this pass, and this block's values for pass 2 (they stay in L2).
+        if (t + n_blk <= it.pos)
+          prefetch_rows(kp + h * k_head + table[(t + n_blk) / block_size] * k_block, std::min(block_size, it.pos + 1 - t - n_blk), k_tok, dim);
+        prefetch_rows(vp + h * v_head + table[t / block_size] * v_block + off * v_tok, n_blk, v_tok, dim);
+#if defined(__AVX512F__)
+        if constexpr (NC > 0) block_scores<NC>(qf.data(), k, k_tok, n_blk, group, s, n);
+        else
+#endif
+          block_scores_generic<NC>(qf.data(), k, k_tok, n_blk, group, dim, s, n);
+        t += n_blk;
+      }
+      // Softmax per query head (soft-capped scores as Gemma 2 defines them).
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        if (cap > 0.f)
+          for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = fast_exp(s[j] - m);
+          sum += s[j];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+      }
+      // Pass 2: weighted sum of values, likewise a block at a time.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t <= it.pos;) {
+        const int64_t off = t % block_size, n_blk = std::min(block_size - off, it.pos + 1 - t);
+        const T* v = vp + h * v_head + table[t / block_size] * v_block + off * v_tok;
+        const float* w = scores.data() + (t - first);
+#if defined(__AVX512F__)
+        if constexpr (NC > 0) block_values<NC>(w, n, v, v_tok, n_blk, group, acc.data());
+        else
+#endif
+          block_values_generic<NC>(w, n, v, v_tok, n_blk, group, dim, acc.data());
+        t += n_blk;
+      }
+      for (int64_t g = 0; g < group; ++g)
+        from_float(op + it.row * o_row + (h * group + g) * o_head, acc.data() + g * dim, dim);
+    }
+  });
+}
+
+}  // namespace
+
+// out, q: [T, Hq, D]; caches head-major [Hkv, num_blocks, block_size, D]; block_tables [B, W] int32;
+// query_start_loc [B + 1] int32; seq_lens [B] int32. window <= 0: none; soft_cap <= 0: none.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                     int64_t window, double soft_cap) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 512, "head_dim mismatch or above 512");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start_loc.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32,
+              "block_tables, query_start_loc and seq_lens must be int32");
+  auto tables = block_tables.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int32_t* qs = qsl.data_ptr<int32_t>();
+  const int32_t* sl = lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  items.reserve(q.size(0));
+  for (int64_t b = 0; b < lens.size(0); ++b) {
+    const int64_t q_len = qs[b + 1] - qs[b];
+    for (int64_t j = 0; j < q_len; ++j) items.push_back({qs[b] + j, b, sl[b] - q_len + j});
+  }
+  // Longest first, so the last items handed out are the short ones.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos > b.pos; });
+  const int64_t dim = q.size(2);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (dim == 64)
+      attend<4, T>(out, q, k_cache, v_cache, tables, items, scale, window, soft_cap);
+    else if (dim == 128)
+      attend<8, T>(out, q, k_cache, v_cache, tables, items, scale, window, soft_cap);
+    else
+      attend<0, T>(out, q, k_cache, v_cache, tables, items, scale, window, soft_cap);
+  };
+  switch (q.scalar_type()) {
+    case torch::kFloat:
+      run(float{});
+      break;
+    case torch::kBFloat16:
+      run(at::BFloat16{});
+      break;
+    case torch::kHalf:
+      run(at::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+}
+
+// A torch op (torch.ops.sluice.paged_attention), so profilers and torch.compile see it by name.
+TORCH_LIBRARY(sluice, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, float soft_cap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("paged_attention", &paged_attention); }

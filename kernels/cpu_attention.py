@@ -1,0 +1,70 @@
+"""Build (once, cached) and load the C++ CPU paged-attention op in ``kernels/cpu/paged_attention.cpp``.
+
+The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
+(``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
+feature flags, so a cache directory shared between unlike machines never hands one a binary built for
+another. ``scripts/install.sh`` builds it at install time so a worker's first step does not wait for g++.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+        digest.update(part)
+    return f"sluice_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> Any:
+    """``torch.ops.sluice``, with the compiled op registered; raises if it cannot be built (callers fall
+    back to PyTorch)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    name = build_name()
+    log.info("loading the C++ CPU attention op %s (built on first use, then cached)", name)
+    load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+    return torch.ops.sluice
+
+
+def available() -> tuple[bool, str]:
+    """Whether the op builds and loads here, and why not."""
+    try:
+        load()
+    except Exception as e:  # a missing compiler, headers or a failed build all mean: use the fallback
+        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return True, ""
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache_hm: torch.Tensor, v_cache_hm: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of packed queries ``q`` [T, Hq, D] over head-major caches [Hkv, blocks, block, D],
+    written into ``out``; query ``j`` of sequence ``b`` sits at ``seq_lens[b] - q_len[b] + j``."""
+    load().paged_attention(out, q, k_cache_hm, v_cache_hm, block_tables, query_start_loc, seq_lens, scale,
+                           sliding_window or 0, logits_soft_cap or 0.0)
+    return out
