@@ -38,7 +38,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
-        self.dtype = _pick_dtype(self.config.dtype, self.device)
+        self.dtype = _pick_dtype(self.config.dtype, self.device, model)
         hf = load_hf_model(model, self.dtype)
         self.tokenizer = load_tokenizer(model)
         self.hf_config = hf.config
@@ -275,15 +275,21 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def _pick_dtype(name: str, device: torch.device, model: str | None) -> torch.dtype:
     if name != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
         except KeyError:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}") from None
-    # On CPU float32: on the 2-core AVX-512 machines we run on, bfloat16 matmuls measured slower
-    # (about 150 vs 250 GFLOP/s at batch 256, bench/throughput.py's ceiling), and float32 is exact.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    from transformers import AutoConfig
+
+    from engine.cpu_dtype import pick_cpu_dtype
+
+    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(resolve_model(model))))
+    log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)
+    return dtype
 
 
 def _model_max_len(config: Any) -> int:

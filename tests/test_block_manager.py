@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+from helpers import fresh_seed
+
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -65,3 +69,25 @@ def test_allocation_fails_cleanly_when_full() -> None:
     assert not bm.can_admit(b, [], 3)
     assert not bm.allocate_slots(a, 1)  # a's ninth token needs a third block
     assert len(a.block_table) == 2
+
+
+def test_block_table_rows_follow_growth_replacement_and_departures() -> None:
+    """Rows mirror each scheduled sequence's table: appended blocks are copied in, a replaced table
+    (preemption, re-admission) is rewritten whole, and a departed sequence's row is reused."""
+    from engine.block_table import BlockTableRows
+
+    rng = random.Random(fresh_seed())
+    rows = BlockTableRows(capacity=2, width=2)
+    seqs = [_seq(i, [1]) for i in range(6)]
+    for _ in range(300):
+        for s in seqs:
+            r = rng.random()
+            if r < 0.3:
+                s.block_table.append(rng.randrange(1000))
+            elif r < 0.35:
+                s.block_table = [rng.randrange(1000) for _ in range(rng.randrange(4))]
+        scheduled = rng.sample(seqs, rng.randint(1, len(seqs)))
+        idx = rows.rows_for(scheduled)
+        assert len(set(idx.tolist())) == len(scheduled)
+        for s, i in zip(scheduled, idx.tolist(), strict=True):
+            assert rows.table[i, : len(s.block_table)].tolist() == s.block_table

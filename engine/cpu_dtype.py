@@ -1,0 +1,92 @@
+"""``--dtype auto`` on a CPU: float32 or bfloat16, whichever runs this model's decode layer faster here.
+
+CPUs differ: with AMX, bfloat16 matmuls are several times faster than float32; with AVX512-BF16 alone
+they measured slower on some machines; without either they are emulated. So it is measured, once per
+process: one decoder layer's matmuls at the model's shapes and attention over a paged cache, at a
+decode batch, in each dtype, interleaved and best-of-N so a busy machine skews both alike. bfloat16
+must win by a margin, since float32 is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+MARGIN = 1.15  # bfloat16 must be this much faster to be chosen
+BATCH, CONTEXT, REPEATS = 128, 256, 7
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_cpu_dtype(config: Any) -> tuple[torch.dtype, str]:
+    """The dtype for this model on this CPU, and the reason (for the log)."""
+    flags = cpu_flags()
+    if not flags & set(BF16_FLAGS):
+        return torch.float32, "this CPU has no bfloat16 instructions (amx_bf16, avx512_bf16)"
+    layer = {dt: _decode_layer(config, dt) for dt in (torch.float32, torch.bfloat16)}
+    best = {dt: float("inf") for dt in layer}
+    for _ in range(REPEATS):
+        for dt, run in layer.items():
+            t0 = time.perf_counter()
+            run()
+            best[dt] = min(best[dt], time.perf_counter() - t0)
+    f32, bf16 = best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3
+    has = ", ".join(f for f in BF16_FLAGS if f in flags)
+    detail = f"one decode layer at batch {BATCH} took {f32:.2f} ms in float32, {bf16:.2f} ms in bfloat16 ({has})"
+    if bf16 * MARGIN < f32:
+        return torch.bfloat16, detail
+    return torch.float32, detail
+
+
+def _decode_layer(config: Any, dtype: torch.dtype) -> Callable[[], None]:
+    """A closure running one layer's matmuls and attention at a decode step's shapes."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    shapes = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(BATCH, i, generator=gen).to(dtype) for i, _ in shapes]
+    ws = [torch.randn(o, i, generator=gen).to(dtype) for i, o in shapes]
+    attend = _attention(dtype, heads, kv_heads, head_dim)
+
+    def run() -> None:
+        for x, w in zip(xs, ws, strict=True):
+            F.linear(x, w)
+        attend()
+
+    run()  # first calls pay for one-off set-up
+    return run
+
+
+def _attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Callable[[], None]:
+    from kernels.cpu_attention import available, paged_attention
+
+    if not available()[0]:
+        return lambda: None
+    block = 16
+    per_seq = CONTEXT // block
+    k_cache = torch.randn(kv_heads, BATCH * per_seq, block, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(BATCH * per_seq, dtype=torch.int32).view(BATCH, per_seq)
+    q = torch.randn(BATCH, heads, head_dim).to(dtype)
+    out = torch.empty_like(q)
+    qsl = torch.arange(BATCH + 1, dtype=torch.int32)
+    lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32)
+    return lambda: paged_attention(out, q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
