@@ -2,7 +2,7 @@
 jobs.celery_app, the real embedded Valkey, and a Sluice worker on the tiny model in a thread.
 
 The Celery worker only forwards: each generate queues one job and blocks on its result, so the
-Sluice worker still batches them. Pipeline stages (tests/test_celery_stages.py) note in Redis when
+Sluice worker still batches them. Pipeline stages (tests/celery_stages.py) note in Redis when
 they ran and what their batch looked like, which is how "once" and "after the last result" are seen.
 """
 
@@ -27,21 +27,17 @@ import pytest
 import redis
 from celery import chain
 from celery.exceptions import TaskRevokedError
+from celery_stages import fired
 from cli_api_helpers import sluice_home
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, wait_for
-from test_celery_stages import fired
 
+# The tasks by module, not by name: pytest's collection reads attributes of this module's names, which
+# evaluates Celery's task proxies, then its config, and so started an embedded server (in the user's data
+# directory, before the session had its own SLUICE_HOME) that nothing stopped.
+from jobs import celery_app as tasks
 from jobs import keys
-from jobs.celery_app import (
-    GenerationTimeout,
-    _redis,
-    app,
-    batch_id_for,
-    generate,
-    housekeep,
-    submit_batch,
-)
+from jobs.celery_app import GenerationTimeout, _redis, app, batch_id_for
 from jobs.scripts import Scripts, sweep, transition
 from jobs.server import connect, redis_url
 from jobs.store import cancel_batch, get_batch, queue_depth, retire_batch
@@ -87,7 +83,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _start_celery(node: str, log: Path, tmp: Path) -> subprocess.Popen:
     cmd = [CELERY, "-A", "jobs.celery_app", "worker", "--pool", "threads", "--concurrency", "64",
-           "--include", "test_celery_stages,pipeline", "--without-mingle", "--without-gossip", "--hostname", node,
+           "--include", "celery_stages,pipeline", "--without-mingle", "--without-gossip", "--hostname", node,
            "--loglevel", "INFO"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp)])}
     out = log.open("ab")
@@ -143,16 +139,18 @@ def stages(*names: str) -> Any:
 
 # ---- the module itself ---------------------------------------------------------------------------
 def test_import_loads_no_engine_and_connects_to_nothing() -> None:
+    # The beat schedule is read there too: reading app.conf resolves the broker URL, which here (no
+    # SLUICE_REDIS_URL, no module server yet) would start an embedded server and leave it running.
     code = ("import sys, jobs.celery_app as c; "
             "assert not {'torch', 'engine', 'worker'} & set(sys.modules), sorted(sys.modules); "
-            "print(sorted(n for n in c.app.tasks if n.startswith('sluice.')))")
+            "print(sorted(n for n in c.app.tasks if n.startswith('sluice.'))); "
+            "e = c.app.conf.beat_schedule['sluice-housekeeping']; print(e['task'], e['schedule'] > 0)")
     env = {**os.environ, "SLUICE_REDIS_URL": "redis://127.0.0.1:1/0"}  # nothing listens there
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['sluice.generate', 'sluice.housekeep', 'sluice.submit_batch']"
-    entry = app.conf.beat_schedule["sluice-housekeeping"]
-    assert entry["task"] == "sluice.housekeep" and entry["schedule"] > 0
+    assert out.stdout.splitlines() == ["['sluice.generate', 'sluice.housekeep', 'sluice.submit_batch']",
+                                       "sluice.housekeep True"]
 
 
 # ---- sluice.generate -----------------------------------------------------------------------------
@@ -163,7 +161,7 @@ def test_fifty_concurrent_generates_run_as_one_continuous_batch(stack: Stack, ti
         for i in range(50):  # half plain prompts, half chat
             text = words(rng)
             fields: dict[str, Any] = {"prompt": text} if i % 2 else {"messages": [{"role": "user", "content": text}]}
-            calls.append(generate.delay(**fields, model="tiny", max_tokens=8, ignore_eos=True))
+            calls.append(tasks.generate.delay(**fields, model="tiny", max_tokens=8, ignore_eos=True))
         t0 = time.monotonic()
         outs = [c.get(timeout=120) for c in calls]
         stats = w.worker.llm.stats
@@ -179,7 +177,7 @@ def test_fifty_concurrent_generates_run_as_one_continuous_batch(stack: Stack, ti
 @pytest.mark.parametrize("terminate", [False, True], ids=["revoke", "revoke-terminate"])
 def test_revoking_a_pending_generate_cancels_its_job(stack: Stack, terminate: bool) -> None:
     r = stack.r
-    call = generate.delay(prompt="the weir holds the river", model="tiny", max_tokens=4)
+    call = tasks.generate.delay(prompt="the weir holds the river", model="tiny", max_tokens=4)
     bid = batch_id_for(call.id)
     # No Sluice worker is live: the job waits in the stream while the task blocks on its result.
     wait_for(lambda: r.hget(keys.meta(bid), "status") == "in_progress", 30, "the job to be queued")
@@ -197,11 +195,11 @@ def test_revoking_a_pending_generate_cancels_its_job(stack: Stack, terminate: bo
 
 def test_generate_times_out_and_cancels_its_job_and_rejects_bad_requests(stack: Stack) -> None:
     r = stack.r
-    call = generate.delay(prompt="a mill by the bank", model="tiny", timeout=1.5)
+    call = tasks.generate.delay(prompt="a mill by the bank", model="tiny", timeout=1.5)
     with pytest.raises(GenerationTimeout):
         call.get(timeout=30)
     assert get_batch(r, batch_id_for(call.id)).status == "cancelled"
-    bad = generate.delay(prompt="x", messages=[{"role": "user", "content": "y"}], model="tiny")
+    bad = tasks.generate.delay(prompt="x", messages=[{"role": "user", "content": "y"}], model="tiny")
     with pytest.raises(ValueError, match="exactly one of"):
         bad.get(timeout=30)
     assert not r.exists(keys.meta(batch_id_for(bad.id)))
@@ -213,7 +211,7 @@ def test_completion_chain_fires_once_after_the_last_result(stack: Stack, tiny_mo
     r = stack.r
     lines = prompt_lines(30, rng, max_tokens=6)
     with gpu_worker(tiny_model_dir):
-        bid = submit_batch.delay(lines=lines, model="tiny", on_complete=stages("filter", "dedupe")).get(timeout=30)
+        bid = tasks.submit_batch.delay(lines=lines, model="tiny", on_complete=stages("filter", "dedupe")).get(timeout=30)
         wait_for(lambda: len(fired(r, bid)) >= 2, 90, f"both stages to run\n{stack.log_tail()}")
     time.sleep(SETTLE)
     runs = fired(r, bid)
@@ -223,7 +221,7 @@ def test_completion_chain_fires_once_after_the_last_result(stack: Stack, tiny_mo
     # Retirement repeated (housekeeping's retry, another process) sends nothing more.
     retire_batch(r, bid)
     r.delete(keys.housekeeping_lock())
-    housekeep.delay(every=0.5).get(timeout=30)
+    tasks.housekeep.delay(every=0.5).get(timeout=30)
     time.sleep(SETTLE)
     assert len(fired(r, bid)) == 2
 
@@ -233,16 +231,16 @@ def test_completion_signature_fires_however_the_batch_ends(stack: Stack, tmp_pat
     rng = random.Random(fresh_seed())
     r = stack.r
     lines = prompt_lines(5, rng)
-    cancelled = submit_batch.delay(lines=lines, model="tiny", on_complete=stages("cancelled")).get(timeout=30)
+    cancelled = tasks.submit_batch.delay(lines=lines, model="tiny", on_complete=stages("cancelled")).get(timeout=30)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 3}\nnot json\n')
-    failed = submit_batch.delay(path=str(bad), model="tiny", on_complete=stages("failed")).get(timeout=30)
-    expired = submit_batch.delay(lines=lines, model="tiny", completion_window=0.5,
+    failed = tasks.submit_batch.delay(path=str(bad), model="tiny", on_complete=stages("failed")).get(timeout=30)
+    expired = tasks.submit_batch.delay(lines=lines, model="tiny", completion_window=0.5,
                                  on_complete=stages("expired")).get(timeout=30)
     cancel_batch(r, cancelled)
     time.sleep(0.6)
     r.delete(keys.housekeeping_lock())  # a Sluice worker of an earlier test may have run it just now
-    report = housekeep.delay(every=0.5).get(timeout=30)
+    report = tasks.housekeep.delay(every=0.5).get(timeout=30)
     assert report is not None and report["expired_batches"] >= 1, report
     ends = ((cancelled, "cancelled", 5), (failed, "failed", 0), (expired, "expired", 5))
     for bid, status, _ in ends:

@@ -1,8 +1,9 @@
-"""A pipeline stage for the Celery tests, loaded by their Celery worker (``--include test_celery_stages``).
+"""A pipeline stage for the Celery tests, loaded by their Celery worker (``--include celery_stages``).
 
 It notes in a Redis list that it ran, and what its batch looked like at that moment (status, results
 written, total), so a test can tell how often a completion signature fired and whether every result
-was in before it did. It returns the batch id, so stages chain. No tests here.
+was in before it did. It returns the batch id, so stages chain. No tests here, and no test_ prefix:
+pytest would collect the module and, reading its names, evaluate the task and Celery's config.
 """
 
 from __future__ import annotations
