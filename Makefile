@@ -7,7 +7,7 @@ DEMO_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	scripts/install.sh $(VPY) "triton,dev"
+	scripts/install.sh $(VPY) "worker,triton,dev"
 	touch $@
 
 install: $(VENV)/.installed

@@ -22,13 +22,14 @@ from api import errors, routes_batches, routes_files, routes_jobs
 from api.metrics import make_registry
 from api.settings import Settings
 from api.state import AppState, State, require_key
+from jobs.settings import load
 from jobs.store import list_workers
 
 UPLOAD_SLACK = 64 * 1024  # multipart framing around the file's bytes
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    state = AppState(settings or Settings())
+    state = AppState(settings or load(Settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,5 +1,6 @@
 """``GET /metrics``: the API's request counts, and the job plane as seen at scrape time (live workers
-and queue depth per model, read from Redis), on the API's own Prometheus registry."""
+and queue depth per model, read from Redis), on the API's own Prometheus registry. Names as in
+``worker.metrics`` (the same concept has the same name; the workers add a ``worker`` label)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,23 @@ from prometheus_client.registry import Collector
 from jobs.store import list_workers, queue_depth
 
 
+def _families() -> tuple[GaugeMetricFamily, ...]:
+    return (GaugeMetricFamily("sluice_job_server_up", "1 while the job server (Redis) answers"),
+            GaugeMetricFamily("sluice_live_workers", "Workers with a live heartbeat", labels=["queue"]),
+            GaugeMetricFamily("sluice_running_seqs", "Sequences running over live workers", labels=["queue"]),
+            GaugeMetricFamily("sluice_queued_jobs", "Jobs not yet delivered to any worker", labels=["queue"]))
+
+
 class JobPlaneCollector(Collector):
     def __init__(self, get_redis: Callable[[], redis.Redis]) -> None:
         self.get_redis = get_redis
 
+    def describe(self) -> Iterator[Any]:
+        """The names, without reading Redis (the registry asks at registration)."""
+        yield from _families()
+
     def collect(self) -> Iterator[Any]:
-        up = GaugeMetricFamily("sluice_job_server_up", "1 while the job server (Redis) answers")
+        up, live, running, depth = _families()
         try:
             r = self.get_redis()
             workers = list_workers(r)
@@ -31,10 +43,6 @@ class JobPlaneCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        live = GaugeMetricFamily("sluice_live_workers", "Workers with a live heartbeat", labels=["queue"])
-        running = GaugeMetricFamily("sluice_running_seqs_total", "Sequences running over live workers",
-                                    labels=["queue"])
-        depth = GaugeMetricFamily("sluice_queue_jobs", "Jobs not yet delivered to any worker", labels=["queue"])
         for q, n in depths.items():
             mine = [w for w in workers if (w.get("queue") or "default") == q]
             live.add_metric([q], len(mine))

@@ -4,7 +4,6 @@ progressive results download."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
@@ -14,13 +13,12 @@ from api.errors import ApiError, not_found
 from api.filestore import error_file_id, output_file_id
 from api.state import Redis, State
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, result_to_output_line
-from jobs.store import cancel_batch, get_batch, list_batches, read_results
+from jobs.store import cancel_batch, get_batch, page_batches, read_results
 from jobs.submit import UnknownModel, resolve_model, submit
+from jobs.units import parse_duration
 
 router = APIRouter(tags=["batches"])
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
-_WINDOW = re.compile(r"^(\d{1,7})([smhd])$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
 
 
@@ -40,11 +38,10 @@ def batch_object(batch: Batch) -> dict[str, Any]:
 
 
 def window_seconds(window: str) -> float:
-    m = _WINDOW.match(window)
-    if not m or int(m.group(1)) == 0:
-        raise ApiError(400, f"completion_window {window!r} is not a duration like 24h", code="invalid_window",
-                       param="completion_window")
-    return int(m.group(1)) * _UNIT[m.group(2)]
+    try:
+        return parse_duration(window)
+    except ValueError as e:
+        raise ApiError(400, f"completion_window: {e}", code="invalid_window", param="completion_window") from None
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -85,16 +82,10 @@ def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
 
 @router.get("/v1/batches", summary="List batches, newest first (cursor pagination)")
 def list_all(r: Redis, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
-    before = None
-    if after is not None:
-        cursor = get_batch(r, after, max_errors=0)
-        if cursor is None:
-            raise not_found("batch", after)
-        before = cursor.created_at
-    batches = list_batches(r, limit=limit + 1, before=before)
-    page = [batch_object(b) for b in batches[:limit]]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+    found = page_batches(r, limit=limit, after=after)
+    if found is None:
+        raise not_found("batch", after or "")
+    return found.to_openai(batch_object)
 
 
 @router.get("/v1/batches/{batch_id}", summary="A batch's status, counts and files")

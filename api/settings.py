@@ -1,25 +1,42 @@
-"""The API's settings, read from the environment when the app is built."""
+"""The API's settings: the job plane's (``jobs.settings``) plus its own limits, read from the environment
+when the app is built (``SLUICE_MAX_UPLOAD_BYTES``, ...; the README's configuration table lists them)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from jobs.server import sluice_home
+from pydantic import field_validator, model_validator
+
+from jobs.settings import JobPlaneSettings
+from jobs.units import parse_size
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return int(raw) if raw else default
-
-
-@dataclass(frozen=True)
-class Settings:
-    api_key: str | None = field(default_factory=lambda: os.environ.get("SLUICE_API_KEY") or None)
-    max_upload_bytes: int = field(default_factory=lambda: _env_int("SLUICE_MAX_UPLOAD_BYTES", 200 * 10**6))
-    max_batch_lines: int = field(default_factory=lambda: _env_int("SLUICE_MAX_BATCH_LINES", 50_000))
+class Settings(JobPlaneSettings):
+    api_key: str | None = None
+    """SLUICE_API_KEY: the bearer token every /v1 request needs (none: no check)."""
+    max_upload_bytes: int = 200 * 10**6
+    """SLUICE_MAX_UPLOAD_BYTES: the largest upload (a size: 200000000, 200MB, 1GiB)."""
+    max_batch_lines: int = 50_000
     # Characters, not tokens: the API never loads a tokenizer. 256k chars is roughly 64k tokens.
-    max_prompt_chars: int = field(default_factory=lambda: _env_int("SLUICE_MAX_PROMPT_CHARS", 256 * 1024))
-    files_dir: Path = field(default_factory=lambda: Path(os.environ.get("SLUICE_FILES_DIR") or sluice_home() / "files"))
-    redis_url: str | None = None  # default: SLUICE_REDIS_URL, else the embedded server of SLUICE_HOME
+    max_prompt_chars: int = 256 * 1024
+    files_dir: Path | None = None
+    """SLUICE_FILES_DIR: uploaded and rendered files [default: SLUICE_HOME/files]."""
+
+    @field_validator("max_upload_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("max_upload_bytes", "max_batch_lines", "max_prompt_chars")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    @model_validator(mode="after")
+    def _files_under_home(self) -> Settings:
+        if self.files_dir is None:
+            self.files_dir = self.home / "files"
+        return self

@@ -1,9 +1,9 @@
-"""Exit codes, and turning the job server's failures into one-line errors."""
+"""Exit codes, opening the job server (saying so when a command starts the embedded one), and turning
+its failures into one-line errors."""
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,9 +13,11 @@ import click
 import redis
 
 from jobs.schemas import Batch
-from jobs.server import ENV_URL, connect, redis_url, sluice_home
+from jobs.server import ENV_URL, EmbeddedServer, OnStart, connect, external_url, redis_url, sluice_home
+from jobs.settings import SettingsError
 
 EXIT_USER_ERROR = 1
+EXIT_USAGE = 2  # click's own: unknown option, missing argument, bad option value
 EXIT_SOME_FAILED = 3
 EXIT_SERVER_DOWN = 4
 EXIT_INTERRUPTED = 130
@@ -37,17 +39,25 @@ def one_line(e: BaseException) -> str:
 
 def server_name() -> str:
     """Where the job server is, without its password."""
-    url = os.environ.get(ENV_URL)
+    url = external_url()
     if url:
         u = urlsplit(url)
         return f"{u.scheme}://{u.hostname}:{u.port or 6379} ({ENV_URL})"
     return f"the embedded server of {sluice_home()} (SLUICE_HOME)"
 
 
-def open_server() -> redis.Redis:
+def announce_start(server: EmbeddedServer) -> None:
+    """The one line a command prints when it starts the embedded server, which outlives it."""
+    click.echo(f"started the embedded job server (pid {server.pid}, 127.0.0.1:{server.port}, data in "
+               f"{server.home}); it keeps running: `sluice server stop` stops it", err=True)
+
+
+def open_server(on_start: OnStart | None = announce_start) -> redis.Redis:
     """A client of the job server; the embedded one is started if it is not running (its data is on disk)."""
     try:
-        return connect(redis_url())
+        return connect(redis_url(on_start=on_start))
+    except SettingsError as e:
+        raise UserError(str(e)) from None
     except RuntimeError as e:  # the embedded server would not start
         raise ServerDown(f"cannot start {server_name()}: {one_line(e)}") from None
 

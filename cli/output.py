@@ -3,6 +3,7 @@ jobs, rejected input lines) to ERR, one OpenAI batch output line each, flushed a
 
 Resumable: lines already in OUT or ERR (matched by their ``id``) are not written again, and a torn
 last line from an interrupted run is cut first, so rerunning the same command picks up where it stopped.
+OUT ``-`` is stdout (ERR too, unless given): nothing to resume there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import click
 from jobs.jsonl import values_in
 from jobs.schemas import LineErrorInfo, Result, line_error_to_output_line, result_to_output_line
 
+STDIO = "-"  # as a file name: stdin for an input, stdout for an output
+
 
 def default_output_path(input_file: Path) -> Path:
     """prompts.jsonl -> prompts.results.jsonl"""
@@ -23,13 +26,15 @@ def default_output_path(input_file: Path) -> Path:
 
 
 def default_errors_path(output: Path) -> Path:
-    """results.jsonl -> results.errors.jsonl"""
+    """results.jsonl -> results.errors.jsonl (stdout stays stdout)"""
+    if str(output) == STDIO:
+        return output
     return output.with_name(f"{output.stem}.errors{output.suffix}") if output.suffix else \
         output.with_name(f"{output.name}.errors")
 
 
 def _ids_in(path: Path) -> set[str]:
-    return values_in(path, "id")
+    return set() if str(path) == STDIO else values_in(path, "id")
 
 
 class ResultFiles:
@@ -39,8 +44,8 @@ class ResultFiles:
         self.out_path, self.err_path = out, err
         self.seen = _ids_in(out) | _ids_in(err)
         self.resumed_jobs = sum(1 for i in self.seen if not i.startswith("line-"))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self._out: IO[str] = out.open("a", encoding="utf-8")
+        self._owned: list[IO[str]] = []
+        self._out = self._open(out)
         self._err: IO[str] | None = None
         self.completed = self.failed = self.bad_lines = 0
         self.tokens = 0
@@ -65,8 +70,7 @@ class ResultFiles:
 
     def _errors(self) -> IO[str]:
         if self._err is None:
-            self.err_path.parent.mkdir(parents=True, exist_ok=True)
-            self._err = self.err_path.open("a", encoding="utf-8")
+            self._err = self._out if self.err_path == self.out_path else self._open(self.err_path)
         return self._err
 
     def _write(self, f: IO[str], line: dict[str, Any]) -> None:
@@ -74,13 +78,24 @@ class ResultFiles:
         f.flush()
         self.seen.add(line["id"])
 
+    def _open(self, path: Path) -> IO[str]:
+        if str(path) == STDIO:
+            return click.get_text_stream("stdout")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a", encoding="utf-8")
+        self._owned.append(f)
+        return f
+
     def close(self) -> None:
-        self._out.close()
-        if self._err is not None:
-            self._err.close()
+        for f in self._owned:
+            f.close()
 
     def summary(self) -> str:
-        where = f"-> {self.out_path}" + (f" (errors: {self.err_path})" if self.err_path.exists() else "")
+        def name(p: Path) -> str:
+            return "stdout" if str(p) == STDIO else str(p)
+
+        errors = self.err_path != self.out_path and (str(self.err_path) == STDIO or self.err_path.exists())
+        where = f"-> {name(self.out_path)}" + (f" (errors: {name(self.err_path)})" if errors else "")
         return f"{self.completed} completed, {self.failed} failed, {self.bad_lines} bad lines {where}"
 
 

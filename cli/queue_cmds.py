@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ from cli.common import (
     open_server,
     require_batch,
 )
-from cli.output import ResultFiles, default_errors_path, default_output_path, echo_line
+from cli.options import Duration, sampling_defaults, with_sampling_options
+from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
 from cli.progress import rates, status_text
 from jobs import keys
 from jobs.schemas import Batch, LineError, SamplingParams, parse_line
@@ -32,65 +36,75 @@ from jobs.store import (
     get_batch,
     get_line_errors,
     iter_results,
-    list_batches,
+    page_batches,
     recent_results,
     served_queues,
 )
 from jobs.submit import UnknownModel, resolve_model, submit
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the batch object in OpenAI's shape.")
-
-
-def _window(text: str) -> float:
-    try:
-        return float(text[:-1]) * _UNITS[text[-1]]
-    except (KeyError, ValueError, IndexError):
-        raise click.BadParameter(f"{text!r} is not a duration like 24h or 90m") from None
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print the batch object in OpenAI's shape, one JSON object per line.")
 
 
 def _print_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2))
+    """One object per line (JSON Lines), so a stream of them (--watch) reads with `jq` or line by line."""
+    click.echo(json.dumps(obj, separators=(",", ":")))
+
+
+@contextmanager
+def readable_input(path: Path) -> Iterator[Path]:
+    """``path``, or for ``-`` a temporary copy of stdin (the file is read more than once), removed after."""
+    if str(path) != STDIO:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="sluice-stdin-") as d:
+        copy = Path(d) / "stdin.jsonl"
+        with copy.open("wb") as f:
+            shutil.copyfileobj(click.get_binary_stream("stdin"), f)
+        yield copy
 
 
 # ---- submit --------------------------------------------------------------------------------------
 @click.command("submit")
-@click.argument("input_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("input_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
 @click.option("--model", default=None, help="Model (queue) to run on. Default: the first line's model, else "
               "the one model live workers serve, else 'default'.")
 @click.option("--wait", is_flag=True, help="Wait with a progress bar, writing results to OUTPUT as they land.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --wait: completed requests' lines [default: INPUT_FILE's name with .results].")
-@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --wait: bad input lines and failed requests [default: OUTPUT with .errors].")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+              help="With --wait: completed requests' lines, - for stdout [default: INPUT_FILE's name with "
+              ".results; stdout when INPUT_FILE is -].")
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              default=None, help="With --wait: bad input lines and failed requests [default: OUTPUT with .errors; "
+              "with OUTPUT -, stdout too].")
+@with_sampling_options
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
-@click.option("--completion-window", default="24h", show_default=True, help="Expire what has not run by then.")
+@click.option("--completion-window", type=Duration(), default="24h", show_default=True,
+              help="Expire what has not run by then (24h, 90m, 30s, 7d).")
 @json_option
 @job_server_errors
 def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | None, errors_file: Path | None,
-               max_tokens: int | None, temperature: float | None, priority: int, completion_window: str,
-               as_json: bool) -> None:
-    """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines) and print
-    the batch id. Bad lines are reported with their line numbers and the rest runs."""
-    window = _window(completion_window)
-    first_model = _first_model(input_file)
-    r = open_server()
-    queue = _queue(r, model if model is not None else first_model)
-    given = {"max_tokens": max_tokens, "temperature": temperature}
-    defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    batch = _submit_file(r, input_file, queue, defaults, priority, window)
-    if batch.counts.total == 0:
-        if as_json:
-            _print_json(batch.to_openai())
-        first = f" ({_first_error(batch)})" if batch.errors else ""
-        raise UserError(f"no valid requests in {input_file}{first}")
-    if not as_json:
-        click.echo(batch.id)
-    if wait:
-        _wait(r, batch, input_file, output, errors_file, as_json)
-        return
+               max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+               priority: int, completion_window: float, as_json: bool) -> None:
+    """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines; - reads
+    stdin) and print the batch id. Bad lines are reported with their line numbers and the rest runs."""
+    defaults = sampling_defaults(max_tokens, temperature, top_p, seed)
+    if wait and output is None and str(input_file) == STDIO:
+        output = Path(STDIO)
+    with readable_input(input_file) as path:
+        first_model = _first_model(path)
+        r = open_server()
+        queue = _queue(r, model if model is not None else first_model)
+        batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=str(input_file))
+        if batch.counts.total == 0:
+            if as_json:
+                _print_json(batch.to_openai())
+            first = f" ({_first_error(batch)})" if batch.errors else ""
+            raise UserError(f"no valid requests in {input_file}{first}")
+        if not as_json:  # the id on stdout, unless stdout carries the results
+            click.echo(batch.id, err=wait and str(output) == STDIO)
+        if wait:
+            _wait(r, batch, path, output, errors_file, as_json)
+            return
     if as_json:
         _print_json(batch.to_openai())
     if batch.counts.invalid:
@@ -100,12 +114,12 @@ def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | N
 
 
 def _submit_file(r: redis.Redis, path: Path, queue: str, defaults: SamplingParams, priority: int,
-                 window: float) -> Batch:
+                 window: float, name: str) -> Batch:
     batch_id = keys.new_batch_id()
     try:
         with _open_lines(path) as lines:
             return submit(lines, r=r, model=queue, defaults=defaults, priority=priority, completion_window=window,
-                          input_name=str(path), batch_id=batch_id)
+                          input_name=name, batch_id=batch_id)
     except KeyboardInterrupt:  # half a batch would wait forever in "validating"
         cancel_batch(r, batch_id)
         interrupted(f"interrupted while submitting: batch {batch_id} cancelled")
@@ -217,7 +231,7 @@ def _exit_for(batch: Batch, files: ResultFiles) -> None:
 @json_option
 @job_server_errors
 def status_cmd(batch_id: str, watch: bool, interval: float, as_json: bool) -> None:
-    """A batch's status, request counts, tokens/s and ETA."""
+    """A batch's status, request counts, tokens/s and ETA (with --json --watch, one JSON line per refresh)."""
     r = open_server()
     try:
         for batch in _watch(r, batch_id, watch, interval):
@@ -242,8 +256,9 @@ def _watch(r: redis.Redis, batch_id: str, watch: bool, interval: float) -> Itera
 
 @click.command("results")
 @click.argument("batch_id")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Completed requests' lines go here (appended to: a rerun resumes). Default: every line to stdout.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+              help="Completed requests' lines go here (appended to: a rerun resumes). Default (or -): every "
+              "line to stdout.")
 @click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Failed requests and bad input lines [default: OUTPUT with .errors].")
 @click.option("--follow", is_flag=True, help="Keep writing results as they land until the batch is final.")
@@ -253,7 +268,7 @@ def results_cmd(batch_id: str, output: Path | None, errors_file: Path | None, fo
     """A batch's results so far (or, with --follow, as they land), as OpenAI batch output lines."""
     r = open_server()
     batch = require_batch(get_batch(r, batch_id), batch_id)
-    if output is None:
+    if output is None or str(output) == STDIO:
         _results_to_stdout(r, batch, follow)
         return
     files = ResultFiles(output, errors_file or default_errors_path(output))
@@ -293,22 +308,27 @@ def cancel_cmd(batch_id: str, as_json: bool) -> None:
 
 
 @click.command("batches")
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Batches per page.")
+@click.option("--after", default=None, metavar="BATCH_ID", help="The page after this batch (the last one listed).")
 @json_option
 @job_server_errors
-def batches_cmd(limit: int, as_json: bool) -> None:
-    """List batches, newest first."""
+def batches_cmd(limit: int, after: str | None, as_json: bool) -> None:
+    """List batches, newest first, a page at a time (--json: OpenAI's list object, with has_more)."""
     r = open_server()
-    batches = list_batches(r, limit=limit)
+    page = page_batches(r, limit=limit, after=after)
+    if page is None:
+        raise UserError(f"no batch {after!r} to list after (`sluice batches` lists them)")
     if as_json:
-        _print_json({"object": "list", "data": [b.to_openai() for b in batches]})
+        _print_json(page.to_openai())
         return
-    if not batches:
+    if not page.batches:
         click.echo("no batches", err=True)
         return
     click.echo(f"{'ID':<32} {'STATUS':<11} {'DONE/TOTAL':>13} {'FAILED':>7}  {'CREATED':<19}  MODEL")
-    for b in batches:
+    for b in page.batches:
         c = b.counts
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.created_at))
         click.echo(f"{b.id:<32} {b.status:<11} {f'{c.done}/{c.total}':>13} {c.done - c.completed:>7}  {created}  "
                    f"{b.model}")
+    if page.has_more:
+        click.echo(f"more: sluice batches --after {page.batches[-1].id}", err=True)

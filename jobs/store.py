@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,36 @@ def list_batches(r: redis.Redis, *, limit: int = 20, before: float | None = None
     for bid in ids:
         pipe.hgetall(keys.meta(bid))
     return [batch_from_meta(m) for m in pipe.execute() if m]
+
+
+@dataclass
+class BatchPage:
+    batches: list[Batch]
+    has_more: bool
+
+    def to_openai(self, render: Callable[[Batch], dict[str, Any]] = Batch.to_openai) -> dict[str, Any]:
+        """OpenAI's list object, each batch rendered by ``render``."""
+        data = [render(b) for b in self.batches]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": self.has_more}
+
+
+def page_batches(r: redis.Redis, *, limit: int = 20, after: str | None = None) -> BatchPage | None:
+    """One page of the batch list, newest first, continuing after the batch ``after`` (OpenAI's cursor);
+    None if ``after`` names no batch. The CLI's ``batches --after`` and ``GET /v1/batches`` both page here."""
+    before = None
+    if after is not None:
+        cursor = get_batch(r, after, max_errors=0)
+        if cursor is None:
+            return None
+        before = cursor.created_at
+    batches = list_batches(r, limit=limit + 1, before=before)
+    return BatchPage(batches[:limit], len(batches) > limit)
+
+
+def count_batches(r: redis.Redis) -> int:
+    """How many batches the job server holds."""
+    return r.zcard(keys.all_batches())
 
 
 def get_line_errors(r: redis.Redis, batch_id: str) -> list[LineErrorInfo]:

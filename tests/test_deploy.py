@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def test_one_worker_service_per_gpu(compose: dict[str, Any]) -> None:
         assert any(v.startswith("model-cache:") for v in w["volumes"])
         assert w["build"]["dockerfile"] == "docker/Dockerfile.worker"
         # The drain after SIGTERM (--grace-period) must fit before compose's SIGKILL.
-        grace = float(re.search(r"--grace-period (\d+)", w["command"][-1])[1])  # type: ignore[index]
+        grace = cli.commands["worker"].make_context("worker", w["command"][2:]).params["grace_period"]
         assert float(w["stop_grace_period"].rstrip("s")) > grace
     assert len(seen) == len(set(seen)), f"two worker services share a GPU: {seen}"
     assert "model-cache" in compose["volumes"]
@@ -89,26 +90,29 @@ def test_api_service(compose: dict[str, Any]) -> None:
     assert ctx.params["host"] == "0.0.0.0"
 
 
-def _worker_argv(command: list[str], tmp_path: Path, **env: str) -> list[str]:
-    """What the worker container would exec: its `sh -c` command run against a stub `sluice`."""
-    stub = tmp_path / "sluice"
-    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
-    stub.chmod(0o755)
-    script = command[-1].replace("$$", "$")  # compose's escape for a literal $
-    out = subprocess.run([*command[:-1], script], env={"PATH": f"{tmp_path}:{os.environ['PATH']}", **env},
-                         capture_output=True, text=True, check=True).stdout
-    return out.splitlines()
-
-
 @pytest.mark.parametrize("kv", ["", "60GiB"])
-def test_worker_command_passes_the_variables_as_flags(compose: dict[str, Any], tmp_path: Path, kv: str) -> None:
+def test_worker_command_reads_the_variables(compose: dict[str, Any], kv: str) -> None:
+    """No shell builds flags: `sluice worker` reads SLUICE_MODEL and SLUICE_KV_CACHE_MEMORY itself."""
     command = compose["services"]["worker-gpu0"]["command"]
-    assert command[:2] == ["sh", "-c"]
-    argv = _worker_argv(command, tmp_path, SLUICE_MODEL="org/Some Model", SLUICE_KV_CACHE_MEMORY=kv)
-    assert argv[0] == "worker"
-    ctx = cli.commands["worker"].make_context("worker", argv[1:])
-    assert ctx.params["model"] == "org/Some Model"  # quoted: a value with a space stays one argument
-    assert ctx.params["kv_cache_memory"] == (kv or None)  # unset -> the engine's own default
+    assert command[:2] == ["sluice", "worker"]
+    env = {"SLUICE_MODEL": "org/Some Model", "SLUICE_KV_CACHE_MEMORY": kv}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        ctx = cli.commands["worker"].make_context("worker", command[2:])
+    assert ctx.params["model"] == "org/Some Model"  # a value with a space stays one value
+    assert ctx.params["kv_cache_memory"] == (60 * 2**30 if kv else None)  # empty -> the engine's own default
+    assert ctx.params["metrics_port"] == 9100
+
+
+def test_workers_are_healthchecked_and_every_service_has_an_init(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        assert service.get("init") is True, f"{name}: an init reaps children and forwards signals"
+    for name, w in workers(compose).items():
+        port = cli.commands["worker"].make_context("worker", w["command"][2:]).params["metrics_port"]
+        test = " ".join(w["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/metrics" in test, f"{name}: the healthcheck asks the metrics port"
+        assert w["healthcheck"]["start_period"].endswith("m"), f"{name}: loading a model takes minutes"
 
 
 def test_compose_variables_have_the_documented_defaults(compose: dict[str, Any]) -> None:
@@ -118,6 +122,56 @@ def test_compose_variables_have_the_documented_defaults(compose: dict[str, Any])
     from engine.loader import DEFAULT_MODEL
 
     assert DEFAULT_MODEL == "SmolLM2-135M-Instruct"
+
+
+def test_images_install_dependencies_before_the_code() -> None:
+    """A code change must not reinstall the dependencies: they are installed from pyproject.toml alone,
+    in a layer before `COPY . .`."""
+    for name, extras in (("Dockerfile.api", '""'), ("Dockerfile.worker", "worker,triton")):
+        lines = (ROOT / "docker" / name).read_text().splitlines()
+        copy_all = lines.index("COPY . .")
+        before = "\n".join(lines[:copy_all])
+        assert re.search(r"^COPY pyproject.toml ", before, re.M) and "COPY scripts/install.sh" in before
+        assert f"scripts/install.sh --deps-only /opt/venv/bin/python {extras}" in before, name
+        assert not re.search(r"^COPY (?!pyproject.toml|scripts/install.sh)", before, re.M), name
+
+
+def test_api_dependencies_and_imports_have_no_model_code() -> None:
+    """The API (and the job plane, and the CLI's queue commands) run where torch, transformers and
+    triton are not installed: they are not among the package's own dependencies, and importing and
+    serving the API with them made unimportable works."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    heavy = ("torch", "transformers", "triton", "gguf", "accelerate")
+    assert not [d for d in project["dependencies"] if d.startswith(heavy)], project["dependencies"]
+    assert {"torch", "transformers"} <= {re.split(r"[<>=\[ ]", d)[0] for d in project["optional-dependencies"]["worker"]}
+    code = f"""
+import sys
+from importlib.abc import MetaPathFinder
+
+class NotInstalled(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {(*heavy, "engine", "kernels", "worker")!r}:
+            raise ImportError(f"{{name}} is not installed here")
+
+sys.meta_path.insert(0, NotInstalled())
+from fastapi.testclient import TestClient
+from click.testing import CliRunner
+from api.app import create_app
+from api.settings import Settings
+from cli.main import cli
+import jobs.celery_app
+
+c = TestClient(create_app(Settings(redis_url="redis://127.0.0.1:1/0")))
+assert c.get("/openapi.json").status_code == 200 and c.get("/healthz").status_code == 503
+assert "sluice_job_server_up 0.0" in c.get("/metrics").text
+for args in (["serve", "--help"], ["submit", "--help"], ["server", "--help"], ["--version"]):
+    assert CliRunner().invoke(cli, args).exit_code == 0, args
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_images_and_make_share_one_install_recipe() -> None:

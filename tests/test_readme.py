@@ -72,7 +72,7 @@ def command_lines() -> Iterator[list[str]]:
             except ValueError:
                 continue  # the ASCII picture and the folder map are not commands
             while words:
-                cut = words.index("&&") if "&&" in words else len(words)
+                cut = next((i for i, w in enumerate(words) if w in ("&&", "|")), len(words))
                 yield words[:cut]
                 words = words[cut + 1:]
 
@@ -129,20 +129,34 @@ def _commands_in(cell: str) -> list[str]:
     return [""] if cell.startswith("(all") else [c.strip() for c in cell.split(",")]
 
 
-def test_flag_table_lists_every_option_with_its_default() -> None:
+def _commands() -> dict[str, click.Command]:
+    """Every command by its words ("" for the group, "server status" for a subcommand)."""
+    found: dict[str, click.Command] = {"": cli}
+    for name, c in cli.commands.items():
+        found[name] = c
+        if isinstance(c, click.Group):
+            found |= {f"{name} {sub}": s for sub, s in c.commands.items()}
+    return found
+
+
+def test_flag_table_lists_every_option_with_its_default_and_variable() -> None:
     covered: set[tuple[str, str]] = set()
+    commands = _commands()
     for row in table_with("Flag", "--max-num-seqs"):
         names = ticked(row["Flag"])
         for command in _commands_in(row["Commands"]):
-            cmd = cli if command == "" else cli.commands[command]
+            cmd = commands[command]
             for name in names:
                 assert has_option(help_text(command), name), f"{command or 'sluice'} has no {name}"
             (param,) = {p for p in cmd.params if set(names) <= set(p.opts) | set(p.secondary_opts)}
             covered.add((command, param.name))
             _check_default(row["Default"], param, click.Context(cmd), f"{command} {names[0]}")
-    every = {("", p.name) for p in cli.params}
-    every |= {(name, p.name) for name, c in cli.commands.items() for p in c.params
-              if isinstance(p, click.Option) and p.name != "help"}
+            envvar = param.envvar if isinstance(param, click.Option) else None
+            assert ticked(row["Env var"]) == ([envvar] if envvar else []), f"{command} {names[0]}: {envvar}"
+            if envvar:
+                assert f"env var: {envvar}" in re.sub(r"\s+", " ", help_text(command)), envvar
+    every = {(name, p.name) for name, c in commands.items() for p in c.params
+             if isinstance(p, click.Option) and p.name != "help"}
     missing = sorted(f"sluice {c} --{n.replace('_', '-')}" for c, n in every - covered)
     assert not missing, f"the README's flag table misses {missing}"
 
@@ -163,8 +177,16 @@ def _sources() -> str:
 
 
 def _read_by_sluice() -> set[str]:
-    """Every SLUICE_* name the packages spell as a string (what os.environ is read with)."""
-    return set(re.findall(r"""["'](SLUICE_[A-Z0-9_]+)["']""", _sources()))
+    """Every SLUICE_* name the packages read: the settings' fields, and the names spelled as strings
+    (click's envvar, os.environ)."""
+    from api.settings import Settings
+    from jobs.settings import env_names
+
+    return set(re.findall(r"""["'](SLUICE_[A-Z0-9_]+)["']""", _sources())) | set(env_names(Settings))
+
+
+def _flag_variables() -> set[str]:
+    return {v for r in table_with("Flag", "--max-num-seqs") for v in ticked(r["Env var"])}
 
 
 def _names_in_readme() -> set[str]:
@@ -197,7 +219,8 @@ def test_every_environment_variable_the_readme_names_is_read_somewhere() -> None
 
 def test_environment_tables_are_complete() -> None:
     sluice_vars = {ticked(r["Variable"])[0] for r in table_with("Variable", "`SLUICE_HOME`")}
-    assert not _read_by_sluice() - sluice_vars, f"missing from the table: {sorted(_read_by_sluice() - sluice_vars)}"
+    listed = sluice_vars | _flag_variables()
+    assert not _read_by_sluice() - listed, f"missing from the tables: {sorted(_read_by_sluice() - listed)}"
     assert not sluice_vars - _read_by_sluice() - _script_variables() - set(THIRD_PARTY_ENV)
     compose_vars = {ticked(r["Variable"])[0] for r in table_with("Variable", "`SLUICE_KV_CACHE_MEMORY`")}
     assert compose_vars == _compose_variables()
@@ -222,6 +245,30 @@ def test_environment_defaults_match_the_code(monkeypatch: pytest.MonkeyPatch) ->
         m = re.search(rf"\$\{{{name}:([-?])([^}}]*)\}}", compose)
         assert m, name
         assert (m[1] == "?" and cell == "required") or (ticked(cell) == [m[2]] if m[2] else cell.startswith("empty"))
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+def _exported(families: list) -> dict[str, str]:  # type: ignore[type-arg]
+    """Exposed name -> type (a counter's samples carry _total)."""
+    return {f.name + ("_total" if f.type == "counter" else ""): f.type for f in families}
+
+
+def test_metrics_table_matches_the_registries() -> None:
+    from api.metrics import JobPlaneCollector, make_registry
+    from worker.metrics import WorkerMetrics
+
+    worker = _exported(list(WorkerMetrics("q", "w").registry.collect()))
+    _, requests = make_registry(lambda: None)  # type: ignore[arg-type,return-value]
+    api = _exported([*JobPlaneCollector(lambda: None).describe(), *requests.describe()])  # type: ignore[arg-type,return-value]
+    rows = {ticked(r["Metric"])[0]: r for r in table_with("Metric", "`sluice_job_server_up`")}
+    for name, r in rows.items():
+        by = {w.strip() for w in r["Exported by"].split(",")}
+        assert by == {who for who, names in (("API", api), ("worker", worker)) if name in names}, name
+        assert r["Type"] == (api.get(name) or worker.get(name)), name
+    assert set(rows) == set(api) | set(worker), sorted(set(api) ^ set(worker) ^ set(rows))
+    for name, kind in {**api, **worker}.items():  # the naming guide
+        assert name.startswith("sluice_") and name.endswith("_total") == (kind == "counter"), name
+        assert "per_second" not in name, f"{name}: rates are PromQL's"
 
 
 # ---- other programs: make, scripts, docker compose -----------------------------------------------------
@@ -294,7 +341,7 @@ def test_architecture_map_covers_every_package() -> None:
 
 def test_readme_sections() -> None:
     for title in ("Two commands", "Why continuous batching", "Quick start (CLI)", "The HTTP API with the OpenAI SDK",
-                  "docker-compose", "Configuration", "Benchmarks", "Architecture", "Redis layout and sharding",
+                  "docker-compose", "Configuration", "Metrics", "Benchmarks", "Architecture", "Redis layout and sharding",
                   "Celery"):
         section(title)
     bench = section("Benchmarks")

@@ -113,7 +113,7 @@ def test_two_hundred_jobs_through_one_worker(r: redis.Redis, tiny_model_dir: Pat
     lines = list(output_lines(r, b.id))
     assert sorted(x["custom_id"] for x in lines) == sorted(f"job-{i}" for i in range(200))
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 4 for x in lines)
-    for name in ("sluice_queue_depth", "sluice_running_seqs", "sluice_kv_blocks_used", "sluice_tokens_per_second",
+    for name in ("sluice_queued_jobs", "sluice_running_seqs", "sluice_kv_blocks_used", "sluice_generated_tokens_total",
                  "sluice_job_latency_seconds_bucket", 'sluice_jobs_total{queue="tiny"'):
         assert name in metrics, name
     assert r.zscore(keys.open_batches(), b.id) is None and r.zrange(keys.active_streams("tiny"), 0, -1) == []

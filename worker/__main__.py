@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import asdict
 
+from jobs.units import parse_size
 from worker.worker import run_worker
 
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
     p.add_argument("--lookahead", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--heartbeat-ttl", type=float, default=10.0)

@@ -4,7 +4,6 @@ that came back on another port. While it is down the worker keeps generating and
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import redis
@@ -12,7 +11,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from jobs.scripts import Scripts
-from jobs.server import ENV_URL, connect, ensure_server, find_server
+from jobs.server import connect, ensure_server, external_url, find_server
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +22,7 @@ START_EMBEDDED_AFTER = 10.0  # seconds down before this worker starts the embedd
 
 class Link:
     def __init__(self, url: str | None = None) -> None:
-        self.fixed_url = url or os.environ.get(ENV_URL) or None
+        self.fixed_url = url or external_url()
         self.url = self.fixed_url or ensure_server().url
         self.r, self.scripts = self._client(self.url)
         self.up = True

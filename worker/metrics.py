@@ -1,15 +1,19 @@
-"""Prometheus metrics of one worker, on their own registry (several workers may share a process)."""
+"""Prometheus metrics of one worker, on their own registry (several workers may share a process).
+
+Names follow Prometheus' naming guide: a counter ends in ``_total`` (added by the client), a gauge never
+does, a unit is spelled in the name, and rates are left to PromQL (``rate(sluice_generated_tokens_total[1m])``
+is tokens/s). A concept the API also exports (``sluice_queued_jobs``, ``sluice_running_seqs``,
+``sluice_job_server_up``) has the same name there, with a ``worker`` label here.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600)
-TOKENS_WINDOW = 10.0  # seconds over which tokens/s is averaged
 
 
 class WorkerMetrics:
@@ -20,15 +24,14 @@ class WorkerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
 
-        self.queue_depth = gauge("sluice_queue_depth", "Jobs of this model not yet delivered to any worker")
+        self.queue_depth = gauge("sluice_queued_jobs", "Jobs of this model not yet delivered to any worker")
         self.running = gauge("sluice_running_seqs", "Sequences in the running batch")
         self.waiting = gauge("sluice_waiting_seqs", "Sequences waiting in the engine")
         self.held = gauge("sluice_held_jobs", "Jobs this worker holds (in the engine or about to be)")
         self.kv_used = gauge("sluice_kv_blocks_used", "KV cache blocks in use")
-        self.kv_total = gauge("sluice_kv_blocks_total", "KV cache blocks in all")
-        self.tokens_per_s = gauge("sluice_tokens_per_second", f"Generated tokens/s over the last {TOKENS_WINDOW:g}s")
-        self.outbox = gauge("sluice_outbox", "Finished results not yet written (Redis unreachable)")
-        self.redis_up = gauge("sluice_redis_up", "1 while Redis answers")
+        self.kv_total = gauge("sluice_kv_blocks_capacity", "KV cache blocks in all")
+        self.outbox = gauge("sluice_outbox_results", "Finished results not yet written (the job server unreachable)")
+        self.redis_up = gauge("sluice_job_server_up", "1 while the job server (Redis) answers")
         self.tokens = Counter("sluice_generated_tokens", "Generated tokens", list(labels),
                               registry=self.registry).labels(**labels)
         self.jobs = Counter("sluice_jobs", "Job outcomes written by this worker", [*labels, "status"],
@@ -38,7 +41,6 @@ class WorkerMetrics:
         self.run_time = Histogram("sluice_job_run_seconds", "Pulled by the worker to result", list(labels),
                                   buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
         self._labels = labels
-        self._recent: deque[tuple[float, int]] = deque()
         self._server: Any = None
 
     def serve(self, port: int) -> None:
@@ -55,7 +57,6 @@ class WorkerMetrics:
         self.jobs.labels(**self._labels, status=status).inc()
         if tokens:
             self.tokens.inc(tokens)
-            self._recent.append((time.monotonic(), tokens))
         if submitted:
             self.latency.observe(max(0.0, now - submitted))
         if started:
@@ -67,7 +68,3 @@ class WorkerMetrics:
         self.held.set(held)
         self.kv_used.set(total_blocks - free_blocks)
         self.kv_total.set(total_blocks)
-        cutoff = time.monotonic() - TOKENS_WINDOW
-        while self._recent and self._recent[0][0] < cutoff:
-            self._recent.popleft()
-        self.tokens_per_s.set(sum(n for _, n in self._recent) / TOKENS_WINDOW)

@@ -1,0 +1,104 @@
+"""``sluice server status|start|stop``: the job server's lifecycle made visible.
+
+Commands that need the job server start the embedded one (in SLUICE_HOME) when SLUICE_REDIS_URL is
+unset and leave it running, so later commands find their batches; these commands show it and stop it.
+An external server (SLUICE_REDIS_URL) can be shown but is not sluice's to start or stop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import redis
+
+from cli.common import (
+    EXIT_SERVER_DOWN,
+    UserError,
+    announce_start,
+    job_server_errors,
+    open_server,
+    server_name,
+)
+from jobs.server import ENV_URL, connect, data_dir, ensure_server, external_url, find_server, stop_server
+from jobs.store import count_batches
+
+
+@click.group("server")
+def server_cmd() -> None:
+    """The job server: where it runs, and starting or stopping the embedded one."""
+
+
+def _facts(r: redis.Redis) -> dict[str, Any]:
+    info = r.info()
+    return {"version": info.get("valkey_version") or info.get("redis_version"),
+            "used_memory": info["used_memory"], "used_memory_rss": info.get("used_memory_rss"),
+            "batches": count_batches(r)}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+@server_cmd.command("status")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@job_server_errors
+def server_status(as_json: bool) -> None:
+    """Where the job server runs, its data directory, pid, memory and how many batches it holds.
+    Exits 4 when it is not running (or, for SLUICE_REDIS_URL, unreachable)."""
+    url = external_url()
+    status: dict[str, Any] = {"server": server_name(), "embedded": url is None}
+    if url is None:
+        found = find_server()
+        status.update(data_dir=str(data_dir()), running=found is not None)
+        if found is not None:
+            status.update(pid=found.pid, address=f"127.0.0.1:{found.port}")
+            status.update(_facts(connect(found.url)))
+    else:
+        status.update(running=True, **_facts(open_server()))  # unreachable: one line, exit 4
+    if as_json:
+        click.echo(json.dumps(status))
+    else:
+        click.echo(_status_text(status))
+    if not status["running"]:
+        raise SystemExit(EXIT_SERVER_DOWN)
+
+
+def _status_text(s: dict[str, Any]) -> str:
+    if not s["running"]:
+        return f"{s['server']}: not running (data in {s['data_dir']}); `sluice server start` starts it"
+    rows = [("address", s.get("address")), ("pid", s.get("pid")), ("data", s.get("data_dir")),
+            ("version", s["version"]), ("memory", f"{_mib(s['used_memory'])} used, {_mib(s['used_memory_rss'])} "
+                                                   "resident"), ("batches", s["batches"])]
+    return "\n".join([f"{s['server']}: running", *(f"  {k:<8} {v}" for k, v in rows if v is not None)])
+
+
+def _embedded_only(action: str) -> None:
+    if external_url() is not None:
+        raise UserError(f"{ENV_URL} is set: that job server is not sluice's to {action} "
+                        "(unset it to use the embedded one)")
+
+
+@server_cmd.command("start")
+def server_start() -> None:
+    """Start the embedded job server of SLUICE_HOME (nothing to do if it runs)."""
+    _embedded_only("start")
+    started: list[bool] = []
+    try:
+        server = ensure_server(on_start=lambda s: (started.append(True), announce_start(s)))
+    except RuntimeError as e:
+        raise UserError(f"cannot start {server_name()}: {e}") from None
+    if not started:
+        click.echo(f"already running (pid {server.pid}, 127.0.0.1:{server.port}, data in {server.home})", err=True)
+
+
+@server_cmd.command("stop")
+def server_stop() -> None:
+    """Stop the embedded job server of SLUICE_HOME (its data stays; any command starts it again)."""
+    _embedded_only("stop")
+    found = find_server()
+    if found is None or not stop_server():
+        click.echo(f"{server_name()}: not running", err=True)
+        return
+    click.echo(f"stopped the embedded job server (pid {found.pid}); its data stays in {found.home}", err=True)

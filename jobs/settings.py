@@ -1,0 +1,68 @@
+"""Settings read from ``SLUICE_*`` environment variables, typed and validated in one place (pydantic-settings).
+
+``JobPlaneSettings`` is what every process that talks to the job server reads (the CLI, the worker,
+the API); the API's own limits extend it in ``api.settings``. The engine's flags are not here: they are
+``sluice`` options that click also reads from the environment (``SLUICE_MODEL``, ...; see ``--help``).
+A bad value fails with one line naming the variable (``SettingsError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import platformdirs
+from pydantic import ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "SLUICE_"
+S = TypeVar("S", bound=BaseSettings)
+
+
+class SettingsError(ValueError):
+    """A SLUICE_* variable holds a value its setting cannot take."""
+
+
+def _default_home() -> Path:
+    return Path(platformdirs.user_data_dir("sluice", appauthor=False))
+
+
+class JobPlaneSettings(BaseSettings):
+    # Empty means unset, as a shell's `VAR=` or compose's `${VAR:-}` intend.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore")
+
+    home: Path = _default_home()
+    """SLUICE_HOME: the embedded job server's data (and the API's files)."""
+    redis_url: str | None = None
+    """SLUICE_REDIS_URL: an external Redis/Valkey instead of the embedded server."""
+
+    @field_validator("home")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
+
+def load(cls: type[S], **overrides: object) -> S:
+    """``cls`` from the environment (``overrides`` win), a bad value raised as one SettingsError line."""
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = ENV_PREFIX + str(err["loc"][0]).upper() if err["loc"] else cls.__name__
+        raise SettingsError(f"{name}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def env_names(cls: type[BaseSettings]) -> list[str]:
+    """The variables ``cls`` reads, e.g. ['SLUICE_HOME', 'SLUICE_REDIS_URL']."""
+    return [ENV_PREFIX + name.upper() for name in cls.model_fields]
+
+
+def job_plane() -> JobPlaneSettings:
+    return load(JobPlaneSettings)
