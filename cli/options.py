@@ -7,6 +7,7 @@ so a container sets ``SLUICE_MODEL`` instead of building flags in a shell.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -15,28 +16,24 @@ from jobs.schemas import SamplingParams
 from jobs.units import parse_duration, parse_size
 
 
-class Size(click.ParamType):
-    """Bytes, written as 2GiB, 512MB or 1000000 (``jobs.units.parse_size``)."""
+class Parsed(click.ParamType):
+    """A value written as text and parsed by one of ``jobs.units``' parsers (as the API and the settings
+    parse it), its ValueError a usage error."""
 
-    name = "size"
+    def __init__(self, name: str, parse: Callable[[str], Any]) -> None:
+        self.name, self.parse = name, parse
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):  # a default given as a number
+            return value
         try:
-            return value if isinstance(value, int) else parse_size(value)
+            return self.parse(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
 
 
-class Duration(click.ParamType):
-    """Seconds, written as 24h, 90m or 30s (``jobs.units.parse_duration``, as the API takes them)."""
-
-    name = "duration"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        try:
-            return value if isinstance(value, float) else parse_duration(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+SIZE = Parsed("size", parse_size)  # 2GiB, 512MB, 1000000
+DURATION = Parsed("duration", parse_duration)  # 24h, 90m, 30s
 
 
 def env_option(*decls: str, envvar: str, **kwargs: Any) -> Any:
@@ -52,7 +49,7 @@ engine_options = [
                show_default=True, help="Most sequences in one step."),
     env_option("--max-num-batched-tokens", envvar="SLUICE_MAX_NUM_BATCHED_TOKENS", type=click.IntRange(min=1),
                default=4096, show_default=True, help="Token budget of one step (prompt chunks + decodes)."),
-    env_option("--kv-cache-memory", envvar="SLUICE_KV_CACHE_MEMORY", type=Size(), default=None,
+    env_option("--kv-cache-memory", envvar="SLUICE_KV_CACHE_MEMORY", type=SIZE, default=None,
                help="Bytes for the KV cache, e.g. 2GiB or 512MB (default: 4GiB on CPU; on CUDA what is left of "
                "90% of memory)."),
     env_option("--policy", envvar="SLUICE_POLICY", type=click.Choice(["continuous", "static"]), default="continuous",

@@ -26,7 +26,7 @@ from cli.common import (
     open_server,
     require_batch,
 )
-from cli.options import Duration, sampling_defaults, with_sampling_options
+from cli.options import DURATION, sampling_defaults, with_sampling_options
 from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
 from cli.progress import rates, status_text
 from jobs import keys
@@ -78,7 +78,7 @@ def readable_input(path: Path) -> Iterator[Path]:
               "with OUTPUT -, stdout too].")
 @with_sampling_options
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
-@click.option("--completion-window", type=Duration(), default="24h", show_default=True,
+@click.option("--completion-window", type=DURATION, default="24h", show_default=True,
               help="Expire what has not run by then (24h, 90m, 30s, 7d).")
 @json_option
 @job_server_errors
