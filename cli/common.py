@@ -83,6 +83,17 @@ def require_batch(batch: Batch | None, batch_id: str) -> Batch:
     return batch
 
 
+def need_engine() -> None:
+    """The model code is the `worker` extra; a command that runs it says so in one line when it is missing
+    (the API's image, or `pip install sluice-llm[api]`, has none)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"this command runs the engine, which needs {e.name or 'torch'}: "
+                        "pip install 'sluice-llm[worker]'") from None
+
+
 def interrupted(message: str) -> None:
     click.echo(message, err=True)
     sys.exit(EXIT_INTERRUPTED)

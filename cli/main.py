@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, one_line  # noqa: F401 - re-exported
+from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
 from cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
 from cli.output import STDIO
 from cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
@@ -70,6 +70,7 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
     """
+    need_engine()
     from worker.local import generate_file
 
     to_stdout = str(output_file) == STDIO

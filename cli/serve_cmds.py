@@ -14,7 +14,15 @@ from typing import Any
 import click
 import redis
 
-from cli.common import ServerDown, UserError, job_server_errors, one_line, open_server, server_name
+from cli.common import (
+    ServerDown,
+    UserError,
+    job_server_errors,
+    need_engine,
+    one_line,
+    open_server,
+    server_name,
+)
 from cli.options import engine_kwargs, env_option, with_engine_options
 from jobs.server import EmbeddedServer, stop_server
 from jobs.settings import load
@@ -57,6 +65,7 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
                kv_cache_memory: int | None, policy: str, queue: str | None, metrics_port: int | None,
                grace_period: float, worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
+    need_engine()
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
@@ -163,6 +172,7 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
     The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
+    need_engine()
     started: list[EmbeddedServer] = []
 
     def note_start(server: EmbeddedServer) -> None:

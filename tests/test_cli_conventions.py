@@ -100,6 +100,18 @@ def test_server_status_start_stop_and_the_start_notice(idle: Path, tmp_path: Pat
     assert invoke("server", "stop").exit_code == 0 and _pid_gone(again.pid)
 
 
+def test_up_stops_the_server_only_if_it_started_it(idle: Path, tmp_path: Path) -> None:
+    up = ("up", "--model", tmp_path / "no-such-model", "--port", "0")  # fails fast, after the server is up
+    res = invoke(*up)
+    assert res.exit_code == EXIT_USER_ERROR and "cannot start the worker" in res.stderr
+    assert "started the embedded job server" in res.stderr and find_server(idle) is None  # its own: stopped
+    assert invoke("server", "start").exit_code == 0
+    before = find_server(idle)
+    res = invoke(*up)
+    assert res.exit_code == EXIT_USER_ERROR and STARTED not in res.stderr
+    assert find_server(idle) == before  # running before `up`: left running
+
+
 # ---- standard habits -----------------------------------------------------------------------------
 def test_version() -> None:
     res = invoke("--version")

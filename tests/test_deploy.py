@@ -168,6 +168,9 @@ assert c.get("/openapi.json").status_code == 200 and c.get("/healthz").status_co
 assert "sluice_job_server_up 0.0" in c.get("/metrics").text
 for args in (["serve", "--help"], ["submit", "--help"], ["server", "--help"], ["--version"]):
     assert CliRunner().invoke(cli, args).exit_code == 0, args
+for args in (["worker"], ["up"], ["generate", "-", "-o", "-"]):  # the engine's commands say what is missing
+    res = CliRunner().invoke(cli, args, input="")
+    assert res.exit_code == 1 and "pip install 'sluice-llm[worker]'" in res.stderr, (args, res.output)
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
