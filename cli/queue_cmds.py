@@ -90,6 +90,8 @@ def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | N
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed)
     if wait and output is None and str(input_file) == STDIO:
         output = Path(STDIO)
+    if wait and as_json and str(output) == STDIO:
+        raise click.UsageError("--json and results on stdout (-o -) would share stdout; give -o a file")
     with readable_input(input_file) as path:
         first_model = _first_model(path)
         r = open_server()

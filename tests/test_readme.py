@@ -125,6 +125,13 @@ def test_every_sluice_command_and_flag_in_the_readme_exists() -> None:
     assert {"up", "submit", "status", "results", "cancel", "batches", "worker", "serve", "generate"} <= used
 
 
+def test_exit_codes_match_the_help() -> None:
+    readme = re.search(r"^Exit codes \(`sluice --help` lists the same\):(.*?)\n\n", README, re.M | re.S)
+    assert readme, "the README lists the exit codes"
+    helped = re.findall(r"^\s+(\d+)\s{2,}", help_text("").split("Exit codes:")[1], re.M)
+    assert re.findall(r"`(\d+)`", readme[1]) == helped
+
+
 def _commands_in(cell: str) -> list[str]:
     return [""] if cell.startswith("(all") else [c.strip() for c in cell.split(",")]
 
