@@ -156,21 +156,27 @@ class LLM:
             order.append(r.request_id)
         results: dict[str, Completion] = {}
         bar = _progress_bar(len(order)) if progress else None
-        tokens, t0 = 0, time.time()
+        finished_tokens = 0
         while self.has_unfinished():
-            for c in self.step():
+            done = self.step()
+            for c in done:
                 results[c.request_id] = c
-                tokens += c.usage.completion_tokens
+                finished_tokens += c.usage.completion_tokens
                 if on_finish is not None:
                     on_finish(c)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tokens / max(time.time() - t0, 1e-9):.0f} tok/s")
+            if bar is not None:
+                bar.advance(len(done))
+                if bar.due():
+                    bar.show_rate(finished_tokens + self._tokens_in_flight())
         if bar is not None:
+            bar.show_rate(finished_tokens)
             bar.close()
         return [results[rid] for rid in order]
 
     # ---- internals ------------------------------------------------------------------------------
+    def _tokens_in_flight(self) -> int:
+        return sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
+
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -318,8 +324,32 @@ def _generation_eos(model: str | None) -> Any:
         return None
 
 
-def _progress_bar(total: int) -> Any:
-    from tqdm import tqdm
+class _Progress:
+    """generate's bar: requests done, and tokens/s over every token sampled so far. Counting only
+    finished requests' tokens would read near zero for most of a big batch, whose requests all finish
+    late. The in-flight count sums over the requests in flight, so it is taken every ``interval`` s."""
 
-    return tqdm(total=total, unit="req", desc="generate")
+    def __init__(self, total: int, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
+        from tqdm import tqdm
 
+        self.bar = tqdm(total=total, unit="req", desc="generate", **tqdm_kwargs)
+        self.interval = interval
+        self.start = self.shown = time.monotonic()
+
+    def advance(self, finished: int) -> None:
+        if finished:
+            self.bar.update(finished)
+
+    def due(self) -> bool:
+        return time.monotonic() - self.shown >= self.interval
+
+    def show_rate(self, tokens: int) -> None:
+        self.shown = time.monotonic()
+        self.bar.set_postfix_str(f"{tokens / max(self.shown - self.start, 1e-9):.0f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(total: int) -> _Progress:
+    return _Progress(total)
