@@ -411,7 +411,8 @@ def main() -> None:
         rows = sweep_rows(points)
         report["sweep"] = {"dtype": dtype, "rows": rows}
         write_csv(rows, OUT / f"{args.tag}.csv")
-        plot_sweep(rows, f"Sluice continuous, {dtype}: " + head.split(";")[0], OUT / f"{args.tag}.png")
+        title = f"Sluice continuous, {dtype}, {args.num_prompts} prompts x {args.max_tokens} tokens; {describe_cpu(m)}"
+        plot_sweep(rows, title, OUT / f"{args.tag}.png")
         print(f"wrote {OUT / args.tag}.csv, .png and .json")
     else:
         results: dict[str, dict[str, dict[str, Any]]] = {}

@@ -69,6 +69,7 @@ def main() -> None:
 
     llm = build_llm(w["model_dir"], args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory,
                     args.profile)
+    generate(llm, [w["prompt_token_ids"][0][:8]], 4, 0.0)  # warm-up, as bench/run_system.py does for the others
     t = time.perf_counter()
     outputs = generate(llm, w["prompt_token_ids"], w["max_tokens"], w["temperature"])
     secs = time.perf_counter() - t
