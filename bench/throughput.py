@@ -202,6 +202,12 @@ def show(r: dict[str, Any]) -> None:
     else:
         print(f"  {r['dtype']:9s} {r['system']:18s} {r['tokens_per_s']:8.1f} tok/s ({r['output_tokens']} tokens, "
               f"{r['prompts']} prompts, {r['seconds']:.1f}s)", flush=True)
+    if "profile" in r:
+        print(f"  {r['dtype']:9s} {r['system']:18s} profile: {profile_text(r['profile'])} (table in {r['profile_dir']})")
+
+
+def profile_text(shares: dict[str, float]) -> str:
+    return "self CPU time " + ", ".join(f"{k} {v:.0f}%" for k, v in shares.items())
 
 
 # ---- the report (pure functions of the results) ------------------------------------------------
@@ -263,6 +269,9 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], 
         lines.append(f"| {name.removeprefix('continuous / ')} | " + " | ".join(cells) + " |")
     checks = {d: token_check(results[d]) for d in dtypes}
     lines.append("| same output token count | " + " | ".join(_check(checks[d]) for d in dtypes) + " |")
+    for d in dtypes:
+        if "profile" in results[d].get("vllm", {}):
+            lines.append(f"\nvLLM {d}, a few decode steps under its profiler: {profile_text(results[d]['vllm']['profile'])}.")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,24 @@ def profile(llm: Any, prompts: list[list[int]], max_tokens: int, temperature: fl
     llm.stop_profile()
 
 
+def summarize_profile(table: str) -> dict[str, float]:
+    """Shares of self CPU time in vLLM's profiler table: matmuls (oneDNN), attention (its paged-cache
+    kernels and cache writes), and the rest (the compiled graph's own fused code, sampling, glue)."""
+    shares = {"matmuls": 0.0, "attention": 0.0, "other": 0.0}
+    for line in table.splitlines():
+        m = re.match(r"\s*(.+?)\s{2,}([\d.]+)%\s", line)
+        if not m:
+            continue
+        name, pct = m[1], float(m[2])
+        if "_mm" in name or name in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm"):
+            shares["matmuls"] += pct
+        elif "attn" in name or "attention" in name or "reshape_and_cache" in name:
+            shares["attention"] += pct
+        else:
+            shares["other"] += pct
+    return shares
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", type=Path)
@@ -82,6 +101,9 @@ def main() -> None:
     if args.profile:
         profile(llm, w["prompt_token_ids"], w["max_tokens"], w["temperature"], args.profile_steps)
         result["profile_dir"] = args.profile
+        tables = sorted(Path(args.profile).glob("*profiler_out.txt"))
+        if tables:
+            result["profile"] = summarize_profile(tables[-1].read_text())
     args.result.write_text(json.dumps(result))
     print(f"vllm {args.dtype}: {tokens / secs:.1f} tok/s ({tokens} tokens, {secs:.1f}s)", flush=True)
 

@@ -95,3 +95,23 @@ def test_unknown_system_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--systems", "sluice,vlm"])
     assert "unknown system(s) vlm" in capsys.readouterr().err
+
+
+def test_vllm_profile_shares() -> None:
+    spec = importlib.util.spec_from_file_location("bench_vllm_run", ROOT / "bench" / "vllm_run.py")
+    assert spec is not None and spec.loader is not None
+    vllm_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_run)  # imports no vLLM until it runs
+    table = """\
+---------------------------------  ------------  ------------
+                             Name    Self CPU %      Self CPU
+---------------------------------  ------------  ------------
+  ## Call CompiledFxGraph None ##        47.00%        8.516s
+                    _C::onednn_mm        33.00%        6.041s
+  _C::cpu_attention_with_kv_cache         9.00%        1.588s
+   _C::cpu_attn_reshape_and_cache         8.00%        1.461s
+                      aten::index         3.00%       13.978ms
+---------------------------------  ------------  ------------
+Self CPU time total: 18.04s
+"""
+    assert vllm_run.summarize_profile(table) == pytest.approx({"matmuls": 33.0, "attention": 17.0, "other": 50.0})
