@@ -15,6 +15,12 @@ other's cache. Throughput: output tokens / wall time (queue: worker start to the
 Batch occupancy: running sequences / sequences the KV cache can hold at once, averaged over the
 steady state (the steps while at least that many requests were still unfinished). Targets: queue >= 95%
 of in-process throughput, occupancy >= 90%. Writes JSON to bench/out/.
+
+The worker loop runs in the main thread, as `sluice worker` runs it; --worker-thread runs it from a
+second thread instead (how this benchmark used to run it). Each path reports its stepping thread,
+torch's intra-op thread count there, and voluntary context switches per step: a second thread gets a
+second OpenMP team, GNU OpenMP then parks idle threads instead of spinning, and the switches per step
+jump (about 60 -> 780 here), which changes step times (slower on a quiet machine, faster on a busy one).
 """
 
 from __future__ import annotations
