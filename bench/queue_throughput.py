@@ -20,7 +20,8 @@ The worker loop runs in the main thread, as `sluice worker` runs it; --worker-th
 second thread instead (how this benchmark used to run it). Each path reports its stepping thread,
 torch's intra-op thread count there, and voluntary context switches per step: a second thread gets a
 second OpenMP team, GNU OpenMP then parks idle threads instead of spinning, and the switches per step
-jump (about 60 -> 780 here), which changes step times (slower on a quiet machine, faster on a busy one).
+jump (about 60 -> 780 measured on a busy 2-core machine, where that arrangement ran faster; issue 10
+measured it at 76% of in-process on a quiet one). The main-thread arrangement compares like with like.
 """
 
 from __future__ import annotations
