@@ -14,6 +14,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuidedDecoding, advance_guide
 from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import build_model
@@ -57,6 +58,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)
+        self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.requests: dict[str, _RequestState] = {}
         self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
@@ -105,10 +107,12 @@ class LLM:
         try:
             prompt_ids = self._prompt_ids(request)
             self._check_fits(request, prompt_ids)
+            grammar = self.guided.compile(request.params)
         except ValueError as e:
             self._rejected.append(_error_completion(request, str(e), arrival))
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
+        self.guided.attach(seqs, grammar)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -183,8 +187,8 @@ class LLM:
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -238,6 +242,8 @@ class LLM:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        else:
+            reason = advance_guide(seq, token)  # "stop" once a structured output is complete
         if reason is not None:
             self._finish(seq, reason)
 

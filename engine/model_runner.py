@@ -12,6 +12,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
 from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
+from engine.guided import apply_guided_masks
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
@@ -100,7 +101,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not samplers:
             return []
-        logits = self.model.compute_logits(hidden[last_rows]).cpu()
+        logits = self.model.compute_logits(hidden[last_rows])
+        apply_guided_masks(logits, samplers)  # structured output: masks the constrained rows in place
+        logits = logits.cpu()
         out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers])
         return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
 
