@@ -40,6 +40,8 @@ def cli(verbose: bool) -> None:
 @click.argument("input_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Results, one OpenAI batch output line per request, written as each finishes.")
+@click.option("--errors-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix].")
 @with_engine_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature (0 = greedy).")
@@ -47,7 +49,7 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=None, help="Default seed.")
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def generate(input_file: Path, output_file: Path, model: str | None, dtype: str, max_num_seqs: int,
+def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str, max_num_seqs: int,
              max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
     """Run INPUT_FILE (JSONL) through the engine in-process, no queue, writing results to OUTPUT.
@@ -55,6 +57,7 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
     """
+    from cli.output import default_errors_path
     from jobs.schemas import SamplingParams
     from worker.local import generate_file
 
@@ -64,7 +67,8 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
     t0 = time.time()
     try:
         s = generate_file(input_file, output_file, model=model, engine_kwargs=kwargs, defaults=defaults,
-                          resume=resume, progress=not no_progress)
+                          resume=resume, progress=not no_progress,
+                          errors_path=errors_file or default_errors_path(output_file))
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None
     dt = time.time() - t0
