@@ -228,6 +228,9 @@ class Batch(BaseModel):
     cancelling_at: float | None = None
     cancelled_at: float | None = None
     errors: list[LineErrorInfo] = Field(default_factory=list)  # the first few bad lines
+    usage: ResultUsage = Field(default_factory=ResultUsage)  # summed over completed jobs
+    completion_window: str = "24h"  # as submitted
+    output_expires_after: float | None = None  # seconds the output and error files live after creation
 
     @property
     def is_final(self) -> bool:
@@ -243,11 +246,16 @@ class Batch(BaseModel):
         return {
             "id": self.id, "object": "batch", "endpoint": endpoint or self.endpoint, "model": self.model,
             "errors": {"object": "list", "data": errors} if errors else None,
-            "input_file_id": self.input, "completion_window": "24h", "status": self.status,
+            "input_file_id": self.input or "", "completion_window": self.completion_window, "status": self.status,
             "output_file_id": None, "error_file_id": None, "created_at": int(self.created_at), **ts,
             "request_counts": {"total": c.total, "completed": c.completed,
                                "failed": c.failed + c.cancelled + c.expired},
             "metadata": self.metadata or None,
+            "usage": {"input_tokens": self.usage.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
+                      "output_tokens": self.usage.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens},
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -120,6 +121,11 @@ class _Decoder:
     def logprobs(self, lps: list[EngineLogprob | None] | None) -> list[TokenLogprob] | None:
         if lps is None:
             return None
-        return [TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=t.logprob,
-                             top=[TopLogprob(token_id=i, token=self.text(i), logprob=lp) for i, lp in t.top])
+        return [TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=_finite(t.logprob),
+                             top=[TopLogprob(token_id=i, token=self.text(i), logprob=_finite(lp)) for i, lp in t.top])
                 for t in lps if t is not None]
+
+
+def _finite(logprob: float) -> float:
+    # A token a grammar masked out has logprob -inf, which JSON cannot carry; OpenAI writes -9999.0.
+    return logprob if math.isfinite(logprob) else -9999.0
