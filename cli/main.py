@@ -40,7 +40,7 @@ def cli(verbose: bool) -> None:
 @click.argument("input_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Results, one OpenAI batch output line per request, written as each finishes.")
-@click.option("--errors-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix].")
 @with_engine_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none.")
