@@ -157,12 +157,25 @@ def apply_guided_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if not rows:
         return
     xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    bitmask = _bitmask(xgr, logits.shape[0], logits.shape[-1])
     for i in rows:
         seqs[i].guide.fill(bitmask, i)
     if logits.device.type != "cpu":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+_local = threading.local()  # per thread (engines in threads step concurrently): vocab -> bitmask buffer
+
+
+def _bitmask(xgr: Any, rows: int, vocab: int) -> torch.Tensor:
+    """A bitmask of ``rows`` rows, reused across steps (allocating one cost more than filling it): only
+    the filled rows are ever applied, and a fill writes its whole row, so no reset is needed."""
+    buffers: dict[int, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(vocab)
+    if buf is None or buf.shape[0] < rows:
+        buf = buffers[vocab] = xgr.allocate_token_bitmask(max(rows, 64), vocab)
+    return buf[:rows]
 
 
 def advance_guide(seq: Sequence, token: int) -> str | None:
