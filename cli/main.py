@@ -5,7 +5,7 @@ Exit codes:
   0    success
   1    a user error: bad file, unknown batch id, unknown model, bad option value (one line, no traceback)
   2    click's own usage errors (unknown option, missing argument)
-  3    some requests failed or input lines were bad (their error lines are in the output or errors file)
+  3    some requests failed or input lines were bad (their error lines are in the errors file)
   4    the job server (SLUICE_REDIS_URL, or the embedded one of SLUICE_HOME) is unreachable
   130  interrupted (Ctrl-C); a batch being waited on or followed runs on
 
@@ -52,7 +52,7 @@ def cli(verbose: bool) -> None:
 def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str, max_num_seqs: int,
              max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
-    """Run INPUT_FILE (JSONL) through the engine in-process, no queue, writing results to OUTPUT.
+    """Run INPUT_FILE (JSONL) through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
@@ -66,9 +66,8 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
     t0 = time.time()
     try:
-        s = generate_file(input_file, output_file, model=model, engine_kwargs=kwargs, defaults=defaults,
-                          resume=resume, progress=not no_progress,
-                          errors_path=errors_file or default_errors_path(output_file))
+        s = generate_file(input_file, output_file, errors_file or default_errors_path(output_file), model=model,
+                          engine_kwargs=kwargs, defaults=defaults, resume=resume, progress=not no_progress)
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None
     dt = time.time() - t0

@@ -29,12 +29,10 @@ class GenerateSummary:
     completion_tokens: int = 0
 
 
-def generate_file(input_path: Path, output_path: Path, *, model: str | None, engine_kwargs: dict[str, Any],
-                  defaults: SamplingParams | None = None, resume: bool = False, progress: bool = True,
-                  llm: LLM | None = None, errors_path: Path | None = None) -> GenerateSummary:
-    """``errors_path`` defaults to the output's name with ``.errors`` before its suffix."""
+def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, model: str | None,
+                  engine_kwargs: dict[str, Any], defaults: SamplingParams | None = None, resume: bool = False,
+                  progress: bool = True, llm: LLM | None = None) -> GenerateSummary:
     summary = GenerateSummary()
-    errors_path = errors_path or output_path.with_name(f"{output_path.stem}.errors{output_path.suffix}")
     done = values_in(output_path, "custom_id") | values_in(errors_path, "custom_id") if resume else set()
     if not resume:
         output_path.write_text("")
