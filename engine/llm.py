@@ -221,7 +221,8 @@ class LLM:
                        arrival_time=arrival)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.seed is not None:
-            seq.generator = torch.Generator().manual_seed(p.seed + index)
+            # On the logits' device: the sampler draws there, and a generator serves one device.
+            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
         if p.min_tokens:

@@ -42,7 +42,9 @@ def _load_kv_tile(
 ):
     """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0)."""
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    # int64 for the head too: in the head-major cache stride_h spans a whole layer's blocks, so
+    # kv_head * stride_h passes 2**31 in a big cache even where each factor fits in 32 bits.
+    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head.to(tl.int64) * stride_h
     ptrs = cache_ptr + row[:, None] + dims[None, :] * stride_d
     return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
 

@@ -287,6 +287,40 @@ def test_offsets_past_int32(rng: random.Random) -> None:
     assert_close(paged_prefill_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 1, 0.25), ref, dtype)
 
 
+def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> None:
+    """The engine's head-major cache (allocate_kv) with three KV heads, each head's plane just over 2**30
+    elements: head 2 starts past 2**31 although its stride fits in 32 bits, so ``kv_head * stride_h``
+    must be computed in int64. Uninitialised memory: only the touched pages are ever backed."""
+    from engine.attention import allocate_kv
+
+    dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
+    num_blocks = 2**30 // (block_size * d) + 64
+    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    assert k_cache.stride(2) < 2**31 <= (hkv - 1) * k_cache.stride(2)
+    lens = [rng.randint(20, 60), rng.randint(1, 20)]
+    need = [cdiv(n, block_size) for n in lens]
+    blocks = rng.sample(range(num_blocks - 64, num_blocks), sum(need))
+    tables = torch.zeros(2, max(need), dtype=torch.int32)
+    tables[0, : need[0]] = torch.tensor(blocks[: need[0]])
+    tables[1, : need[1]] = torch.tensor(blocks[need[0] :])
+    slots = torch.cat([tables[b, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                       for b, n in enumerate(lens)])
+    key = torch.randn(len(slots), hkv, d).to(dtype)
+    value = torch.randn(len(slots), hkv, d).to(dtype)
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    where = (slots // block_size, slots % block_size)  # indexing picks rows; a reshape would copy 12 GB
+    assert torch.equal(k_cache[where], key)
+    assert torch.equal(v_cache[where], value)
+
+    q = torch.randn(2, hkv * group, d).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1, 1], 0.25)
+    assert_close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, 2), ref, dtype)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert_close(paged_prefill_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 1, 0.25), ref, dtype)
+
+
 # ---- the engine's backend ---------------------------------------------------------------------------
 
 
