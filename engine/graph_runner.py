@@ -14,6 +14,7 @@ chunks run eagerly through ``ModelRunner.prepare`` as before.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -78,7 +79,7 @@ class _StaticInputs:
         self.lens_h.numpy()[:n] = pos + 1
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
-        slots[:n] = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
+        slots[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
         self.pad(n, bucket)
         for host, dev in self.copies:
             if dev is not host:
@@ -111,6 +112,8 @@ class DecodeGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.steps = dict.fromkeys(self.buckets, 0)  # decode steps run per bucket (for bench/ and tests)
+        self.capture_s = 0.0
+        self.pool_bytes = 0  # what capture added to the allocator's reserved memory
 
     def _meta(self, b: int, max_seq_len: int) -> AttentionMetadata:
         x = self.inputs
@@ -156,6 +159,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so that the smaller ones reuse its memory pool."""
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = None
         for b in reversed(self.buckets):
             self.run_padding(b)  # compiles the kernels for this shape outside the capture
@@ -166,4 +170,7 @@ class DecodeGraphRunner:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        self.capture_s = time.perf_counter() - t0
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1fs (%d MiB)", self.buckets, self.capture_s,
+                 self.pool_bytes >> 20)

@@ -40,6 +40,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.decode_runner: DecodeGraphRunner | None = None
+        self.graph_reserve_bytes = 0  # what KV sizing left for the decode graphs (CUDA)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -99,11 +100,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         blocks = self.warmup_step()
         peak = torch.cuda.max_memory_allocated()
-        graphs = self._graph_reserve(blocks) if self._capture_graphs() else 0
+        self.graph_reserve_bytes = self._graph_reserve(blocks) if self._capture_graphs() else 0
         self.kv_caches = []
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(int(total * self.config.gpu_memory_utilization) - peak - graphs, 0)
+        return max(int(total * self.config.gpu_memory_utilization) - peak - self.graph_reserve_bytes, 0)
 
     @torch.inference_mode()
     def warmup_step(self) -> int:
