@@ -193,6 +193,23 @@ def test_prefill(
     assert_close(out, reference(q, k_cache, v_cache, tables, lens, qlens, scale), dtype)
 
 
+def test_prefill_one_long_chunk_among_many_decodes(rng: random.Random) -> None:
+    """A mixed step as the scheduler makes it: one long prompt chunk and 130 decodes (past the kernel's
+    128-sequence search chunk), launched per query tile, not longest query x batch."""
+    dtype, d, group, block_size, hkv = F32, 16, 2, 16, 1
+    pos = rng.randrange(131)
+    qlens = [1] * 131
+    qlens[pos] = rng.randint(70, 130)
+    lens = [m + rng.randint(0, 40) for m in qlens]
+    tables, num_blocks = block_tables_for(rng, lens, block_size)
+    k_cache, v_cache = random_cache(num_blocks, block_size, hkv, d, dtype)
+    q = torch.randn(sum(qlens), hkv * group, d)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, seq_lens, max(qlens), 0.25)
+    assert_close(out, reference(q, k_cache, v_cache, tables, lens, qlens, 0.25), dtype)
+
+
 # ---- random configurations ---------------------------------------------------------------------------
 # The cases above pin the corners; these draw the rest of the grid afresh each run.
 
