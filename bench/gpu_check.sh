@@ -3,7 +3,7 @@
 #   bench/gpu_check.sh            on the GPU machine
 #   bench/gpu_check.sh --dry-run  tiny shapes on CPU under the Triton interpreter
 #   bench/gpu_check.sh --prepare  here, before the GPU run: SmolLM2's tokenizer files into
-#                                 bench/gpu-check-tokenizer/ (untracked; they travel with the tree)
+#                                 bench/gpu-check-tokenizer/ (git-ignored: carry it to the GPU machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
