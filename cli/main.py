@@ -48,7 +48,7 @@ def cli(verbose: bool) -> None:
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def generate(input_file: Path, output_file: Path, model: str | None, dtype: str, max_num_seqs: int,
-             max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, max_tokens: int | None,
+             max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, model_impl: str, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
     """Run INPUT_FILE (JSONL) through the engine in-process, no queue, writing results to OUTPUT.
 
@@ -60,7 +60,7 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
 
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
+    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, model_impl)
     t0 = time.time()
     try:
         s = generate_file(input_file, output_file, model=model, engine_kwargs=kwargs, defaults=defaults,

@@ -19,6 +19,9 @@ engine_options = [
                  "(default: 4GiB on CPU; on CUDA what is left of 90% of memory)."),
     click.option("--policy", type=click.Choice(["continuous", "static"]), default="continuous", show_default=True,
                  help="static (a cohort at a time) exists as the benchmark baseline."),
+    click.option("--model-impl", type=click.Choice(["auto", "native", "transformers"]), default="auto",
+                 show_default=True, help="native (Llama family, Qwen3: fastest) or transformers (any decoder-only "
+                 "model it loads); auto picks native where it exists."),
 ]
 
 
@@ -42,6 +45,6 @@ def parse_bytes(text: str | None) -> int | None:
 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
-                  policy: str) -> dict[str, Any]:
+                  policy: str, model_impl: str = "auto") -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy)
+                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy, model_impl=model_impl)

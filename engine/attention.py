@@ -63,6 +63,14 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LayerKVSpec:
+    """What one layer keeps per token in the cache: layers of one model may differ (Gemma 3n, OpenELM...)."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
 def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``."""

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec, TorchAttention, allocate_kv
 from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
@@ -24,7 +24,7 @@ _DEFAULT_CPU_KV_BYTES = 4 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -36,9 +36,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        m = self.model
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * len(m.layers) * self.block_size * m.config.num_key_value_heads * m.head_dim * elem
+        return kv_bytes_per_block(self.model.kv_spec(), self.block_size, self.dtype)
 
     def kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -48,10 +46,7 @@ class ModelRunner:
         return self._cuda_free_after_warmup()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        m = self.model
-        shape = (num_blocks, self.block_size, m.config.num_key_value_heads, m.head_dim)
-        self.kv_caches = [(allocate_kv(*shape, self.dtype, self.device), allocate_kv(*shape, self.dtype, self.device))
-                          for _ in m.layers]
+        self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
         self.num_zeroed_blocks = 0
 
     def zero_fresh_blocks(self, num_touched: int) -> None:
@@ -142,6 +137,22 @@ class ModelRunner:
         pos_t = torch.from_numpy(positions).to(self.device)
         last_rows = torch.from_numpy(cu[1:][sampling] - 1).to(self.device)
         return input_ids, pos_t, meta, last_rows, [seqs[i] for i in sampling.tolist()]
+
+
+def kv_bytes_per_block(spec: list[LayerKVSpec], block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block in every layer, each layer with its own head count and size."""
+    elem = torch.finfo(dtype).bits // 8
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in spec)
+
+
+def allocate_kv_caches(spec: list[LayerKVSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, all with the same blocks, so one block table serves every layer."""
+    caches = []
+    for layer in spec:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        caches.append((allocate_kv(*shape, dtype, device), allocate_kv(*shape, dtype, device)))
+    return caches
 
 
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
