@@ -140,3 +140,26 @@ def test_triton_backend_on_the_transformers_path(tmp_path_factory: pytest.TempPa
               kv_cache_memory=4 << 20, max_num_batched_tokens=32)
     for p, ours in zip(prompts, _generate(llm, prompts, 6), strict=True):
         assert_greedy_matches(hf, p, ours, hf_greedy(hf, p, 6))
+
+
+@pytest.mark.parametrize("command", ["generate", "worker"])
+def test_cli_refuses_an_encoder_decoder_in_one_line(command: str, tmp_path: Path) -> None:
+    """``sluice generate`` and ``sluice worker`` (which checks its job server first: one is started) exit 1
+    with the reason on one line, no traceback."""
+    from cli_api_helpers import sluice_home
+    from click.testing import CliRunner
+    from transformers import BartConfig
+
+    from cli.common import EXIT_USER_ERROR
+    from cli.main import cli
+
+    BartConfig(vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(tmp_path / "bart")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    args = {"generate": [str(src), "-o", str(tmp_path / "out.jsonl")], "worker": ["--exit-when-idle", "0"]}[command]
+    with sluice_home(tmp_path / "home"):
+        res = CliRunner().invoke(cli, [command, *args, "--model", str(tmp_path / "bart"), "--model-impl", "transformers"])
+    assert res.exit_code == EXIT_USER_ERROR, res.output
+    assert isinstance(res.exception, SystemExit), res.exception
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bart is an encoder-decoder model; Sluice runs decoder-only" in lines[0], res.stderr
