@@ -163,3 +163,16 @@ def test_cli_refuses_an_encoder_decoder_in_one_line(command: str, tmp_path: Path
     assert isinstance(res.exception, SystemExit), res.exception
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "bart is an encoder-decoder model; Sluice runs decoder-only" in lines[0], res.stderr
+
+
+def test_kv_cache_is_sized_and_allocated_per_layer() -> None:
+    """Layers that keep different K/V shapes (Gemma 3n, OpenELM) each get their own; one block id
+    means the same block in every layer."""
+    from engine.attention import LayerKVSpec
+    from engine.model_runner import allocate_kv_caches, kv_bytes_per_block
+
+    spec = [LayerKVSpec(2, 16), LayerKVSpec(1, 64), LayerKVSpec(4, 8)]
+    assert kv_bytes_per_block(spec, 16, torch.bfloat16) == 2 * 16 * (32 + 64 + 32) * 2
+    caches = allocate_kv_caches(spec, 5, 16, torch.float32, torch.device("cpu"))
+    assert [tuple(k.shape) for k, _ in caches] == [(5, 16, 2, 16), (5, 16, 1, 64), (5, 16, 4, 8)]
+    assert all(k.shape == v.shape and k.data_ptr() != v.data_ptr() for k, v in caches)

@@ -51,8 +51,10 @@ def sluice_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise UnsupportedModelError(f"{name} builds its own attention mask, which Sluice's paged attention cannot apply")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"{name} is bidirectional; Sluice's paged attention is causal only")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModelError(f"{name} has no layer_idx, so its KV cache cannot be found")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    layer = module.layer_idx
     if step.record is not None:
         step.record[layer] = LayerKVSpec(k.shape[1], k.shape[2])
         return torch.zeros_like(q)[None], None
