@@ -14,7 +14,14 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
+from engine.loader import (
+    check_decoder_only,
+    dense_path,
+    load_config,
+    load_hf_model,
+    load_tokenizer,
+    resolve_model,
+)
 from engine.model_runner import ModelRunner
 from engine.models.select import build_model, pick_model_impl
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
@@ -38,6 +45,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
+        check_decoder_only(load_config(model))  # before anything reads the config as a decoder's
         self.dtype = _pick_dtype(self.config.dtype, self.device, model)
         hf = load_hf_model(model, self.dtype)
         self.tokenizer = load_tokenizer(model)

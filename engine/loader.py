@@ -90,11 +90,17 @@ def load_tokenizer(model: str | None) -> Any:
 
 def load_hf_model(model: str | None, dtype: torch.dtype) -> Any:
     """transformers' own model on the same weights: our weight source and our test reference."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = dense_path(resolve_model(model))
-    check_decoder_only(AutoConfig.from_pretrained(path))
+    check_decoder_only(load_config(model))
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_config(model: str | None) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(dense_path(resolve_model(model)))
 
 
 def check_decoder_only(config: Any) -> None:
