@@ -51,7 +51,7 @@ def cli(verbose: bool) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str, max_num_seqs: int,
              max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, enforce_eager: bool,
-             max_tokens: int | None,
+             model_impl: str, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
     """Run INPUT_FILE (JSONL) through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
@@ -64,7 +64,8 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
 
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager)
+    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
+                           model_impl)
     t0 = time.time()
     try:
         s = generate_file(input_file, output_file, errors_file or default_errors_path(output_file), model=model,

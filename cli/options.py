@@ -21,6 +21,9 @@ engine_options = [
                  help="static (a cohort at a time) exists as the benchmark baseline."),
     click.option("--enforce-eager", is_flag=True,
                  help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."),
+    click.option("--model-impl", type=click.Choice(["auto", "native", "transformers"]), default="auto",
+                 show_default=True, help="native (Llama family, Qwen3: fastest) or transformers (any decoder-only "
+                 "model it loads); auto picks native where it exists."),
 ]
 
 
@@ -44,6 +47,7 @@ def parse_bytes(text: str | None) -> int | None:
 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
-                  policy: str, enforce_eager: bool = False) -> dict[str, Any]:
+                  policy: str, enforce_eager: bool = False, model_impl: str = "auto") -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy, enforce_eager=enforce_eager)
+                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy, enforce_eager=enforce_eager,
+                model_impl=model_impl)

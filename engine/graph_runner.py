@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -98,7 +98,7 @@ class _StaticInputs:
 class DecodeGraphRunner:
     """Runs decode-only steps padded to a bucket; replays a captured CUDA graph for it where there is one."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, kv_caches: KVCaches, max_num_seqs: int,
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv_caches: KVCaches, max_num_seqs: int,
                  block_size: int, max_blocks: int, device: torch.device) -> None:
         self.model = model
         self.backend = backend

@@ -15,9 +15,16 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GuidedDecoding, advance_guide
-from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
+from engine.loader import (
+    check_decoder_only,
+    dense_path,
+    load_config,
+    load_hf_model,
+    load_tokenizer,
+    resolve_model,
+)
 from engine.model_runner import ModelRunner
-from engine.models.llama import build_model
+from engine.models.select import build_model, pick_model_impl
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -39,17 +46,19 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
+        check_decoder_only(load_config(model))  # before anything reads the config as a decoder's
         self.dtype = _pick_dtype(self.config.dtype, self.device, model)
         hf = load_hf_model(model, self.dtype)
         self.tokenizer = load_tokenizer(model)
         self.hf_config = hf.config
-        max_len = _model_max_len(hf.config)
+        self.model_impl = pick_model_impl(hf.config, self.config.model_impl)
+        log.info("model %s: %s implementation", hf.config.model_type, self.model_impl)
+        max_len = _model_max_len(hf.config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
-        net = build_model(hf.config, max_len, self.device, self.dtype)
-        net.load_hf_state_dict(hf.state_dict())
+        net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
         del hf
-        self.runner = ModelRunner(self.config, net.eval(), self.device, self.dtype)
+        self.runner = ModelRunner(self.config, net, self.device, self.dtype)
         num_blocks = self._num_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = min(max_len, num_blocks * self.config.block_size)
@@ -305,11 +314,11 @@ def _pick_dtype(name: str, device: torch.device, model: str | None) -> torch.dty
     return dtype
 
 
-def _model_max_len(config: Any) -> int:
+def _model_max_len(config: Any, impl: str) -> int:
     n = getattr(config, "max_position_embeddings", None) or 4096
     window = getattr(config, "sliding_window", None)
-    # Attention here is full; cap at a sliding window so the model never sees past what it was trained on.
-    return min(n, window) if window else n
+    # The native path attends fully: cap at a sliding window so the model never sees past what it was trained on.
+    return min(n, window) if window and impl == "native" else n
 
 
 def _eos_ids(config: Any, tokenizer: Any, model: str | None) -> set[int]:

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec, TorchAttention, allocate_kv
 from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
 from engine.graph_runner import DecodeGraphRunner
 from engine.guided import apply_guided_masks
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ _DEFAULT_CPU_KV_BYTES = 4 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -36,7 +36,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config, device)
         # On CUDA the Triton path also fuses RMSNorm + residual and rotary (fewer launches a layer).
-        model.use_fused_kernels(device.type == "cuda" and isinstance(self.backend, TritonAttention))
+        if hasattr(model, "use_fused_kernels"):  # the native path; the transformers path runs its own layers
+            model.use_fused_kernels(device.type == "cuda" and isinstance(self.backend, TritonAttention))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.decode_runner: DecodeGraphRunner | None = None
@@ -44,9 +45,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        m = self.model
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * len(m.layers) * self.block_size * m.config.num_key_value_heads * m.head_dim * elem
+        return kv_bytes_per_block(self.model.kv_spec(), self.block_size, self.dtype)
 
     def kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -64,10 +63,7 @@ class ModelRunner:
                 self.decode_runner.capture()
 
     def _allocate(self, num_blocks: int) -> None:
-        m = self.model
-        shape = (num_blocks, self.block_size, m.config.num_key_value_heads, m.head_dim)
-        self.kv_caches = [(allocate_kv(*shape, self.dtype, self.device), allocate_kv(*shape, self.dtype, self.device))
-                          for _ in m.layers]
+        self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
         self.num_zeroed_blocks = 0
 
     def _capture_graphs(self) -> bool:
@@ -78,7 +74,7 @@ class ModelRunner:
         return self.config.pad_decode if self.config.pad_decode is not None else self._capture_graphs()
 
     def _decode_runner(self, num_blocks: int) -> DecodeGraphRunner:
-        max_blocks = min(-(-self.model.rotary.cos.shape[0] // self.block_size), num_blocks)
+        max_blocks = min(-(-self._max_positions() // self.block_size), num_blocks)
         return DecodeGraphRunner(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
                                  self.block_size, max_blocks, self.device)
 
@@ -112,7 +108,7 @@ class ModelRunner:
         cache just big enough for it; returns that cache's block count. The tokens are cut into
         sequences no longer than the rotary tables, which end at the model's length limit."""
         bs = self.block_size
-        q_lens = warmup_query_lens(self.config.max_num_batched_tokens, self.model.rotary.cos.shape[0])
+        q_lens = warmup_query_lens(self.config.max_num_batched_tokens, self._max_positions())
         batch, blocks = ScheduledBatch(), 0
         for i, n in enumerate(q_lens):
             seq = Sequence(-1 - i, "warmup", 0, [0] * n, n, SamplingParams())
@@ -125,6 +121,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         self.model.compute_logits(hidden[-self.config.max_num_seqs :])
         return blocks
+
+    def _max_positions(self) -> int:
+        """Positions the model can take: the native path's rotary tables end there."""
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None:
+            return rotary.cos.shape[0]
+        return self.config.max_model_len or self.config.max_num_batched_tokens
 
     def _graph_reserve(self, num_blocks: int) -> int:
         """Bytes to leave for the decode graphs' private memory pool: twice the peak of an eager decode
@@ -201,6 +204,22 @@ def warmup_query_lens(num_tokens: int, max_positions: int) -> list[int]:
     """``num_tokens`` prompt tokens as chunks of at most ``max_positions`` (the rotary tables' rows)."""
     full, rest = divmod(num_tokens, max_positions)
     return [max_positions] * full + ([rest] if rest else [])
+
+
+def kv_bytes_per_block(spec: list[LayerKVSpec], block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block in every layer, each layer with its own head count and size."""
+    elem = torch.finfo(dtype).bits // 8
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in spec)
+
+
+def allocate_kv_caches(spec: list[LayerKVSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, all with the same blocks, so one block table serves every layer."""
+    caches = []
+    for layer in spec:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        caches.append((allocate_kv(*shape, dtype, device), allocate_kv(*shape, dtype, device)))
+    return caches
 
 
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:

@@ -49,6 +49,15 @@ def _load_kv_tile(
     return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
 
 
+@triton.jit
+def _scores(q, k, scale_log2, cap_log2, SOFT_CAP: tl.constexpr):
+    """Scores in base 2; with SOFT_CAP, ``cap * tanh(s / cap)`` (tanh as 2 * sigmoid(2x) - 1: no libdevice)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    if SOFT_CAP:
+        s = cap_log2 * (2.0 * tl.sigmoid(2.0 * s / cap_log2) - 1.0)
+    return s
+
+
 # Scalars that vary from step to step are not specialised (on == 1 or % 16), so that a long run does not
 # keep compiling variants: they only feed address arithmetic, where the hints buy nothing.
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
@@ -63,6 +72,8 @@ def _decode_split_kernel(
     l_part_ptr,
     acc_part_ptr,
     scale_log2,
+    cap_log2,
+    window,
     tokens_per_split,
     num_splits,
     stride_qb,
@@ -87,6 +98,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # a single split: write the normalised output, no partials
+    SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr,  # only the last ``window`` positions are visible
 ):
     """One (sequence, KV head, split): all GROUP query heads share each K/V tile that is loaded."""
     b = tl.program_id(0).to(tl.int64)
@@ -97,6 +110,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)  # end <= start: an empty split
+    if SLIDING:
+        start = tl.maximum(start, seq_len - window)  # so every tile still holds a visible token
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
@@ -121,7 +136,7 @@ def _decode_split_kernel(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
             stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -195,6 +210,8 @@ def _prefill_kernel(
     num_seqs,
     out_ptr,
     scale_log2,
+    cap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -216,6 +233,8 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr,  # a query at position p sees keys at positions > p - window
 ):
     """One (query tile of some sequence, KV head).
 
@@ -262,7 +281,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for kv_tile in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len + tok0 - window + 1, 0)  # the tile's first query sees no further back
+    for kv_tile in range(kv_start, kv_end, BLOCK_N):
         pos = kv_tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         k = _load_kv_tile(
@@ -273,8 +295,10 @@ def _prefill_kernel(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
             stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -329,6 +353,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[b]`` cached tokens.
 
@@ -366,6 +393,8 @@ def paged_decode_attention(
         l_part,
         acc_part,
         scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        sliding_window or 0,
         tokens_per_split,
         num_splits,
         *q.stride(),
@@ -380,6 +409,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N,
         DIRECT=num_splits == 1,
+        SOFT_CAP=logits_soft_cap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     if num_splits > 1:
@@ -407,6 +438,9 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries ``q [T, Hq, D]``, every key read from the cache.
 
@@ -437,6 +471,8 @@ def paged_prefill_attention(
         batch,
         out,
         scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        sliding_window or 0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -448,6 +484,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=PREFILL_BLOCK_N,
+        SOFT_CAP=logits_soft_cap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     return out

@@ -1,4 +1,4 @@
-"""Llama-family decoder over packed tokens (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""Llama-family decoder over packed tokens (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 No padding: the step's tokens from all sequences are one ``[T]`` row, with their positions and cache
 slots in the explicit ``AttentionMetadata``. q/k/v and gate/up are fused into one matmul each.
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +89,7 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -99,6 +99,9 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3: RMSNorm over each head's q and k, before rotary.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -107,6 +110,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -125,9 +130,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, head_dim, qkv_bias, o_bias)
+        self.self_attn = Attention(config, head_dim, qkv_bias, o_bias, qk_norm)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -145,7 +150,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -159,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias)
+        qk_norm = config.model_type == "qwen3"
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -181,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = on
         half = self.head_dim // 2
         self.rotary.fused = on and half & (half - 1) == 0  # the rotary kernel needs a power-of-two half
+
+    def kv_spec(self) -> list[LayerKVSpec]:
+        return [LayerKVSpec(self.config.num_key_value_heads, self.head_dim)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Reduce in float32: argmax and softmax over bfloat16 logits are slow on CPU and lose ties.
