@@ -4,7 +4,7 @@ progressive results download."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import ApiError, not_found
 from api.filestore import error_file_id, output_file_id
 from api.state import Redis, State
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, result_to_output_line
-from jobs.store import cancel_batch, get_batch, page_batches, read_results
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo, result_to_output_line
+from jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
 from jobs.submit import UnknownModel, resolve_model, submit
 from jobs.units import parse_duration
 
@@ -22,14 +22,22 @@ ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's ``expires_after``: seconds after the file's creation (1 hour to 30 days)."""
+
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(ge=3600, le=30 * 24 * 3600)
+
+
 class BatchCreate(BaseModel):
-    # Other fields OpenAI takes (output_expires_after, ...) are accepted and change nothing.
+    # Other fields OpenAI takes are accepted and change nothing.
     model_config = ConfigDict(extra="allow")
 
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None  # of the batch's output and error files
 
 
 def batch_object(batch: Batch) -> dict[str, Any]:
@@ -72,11 +80,15 @@ def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
         raise ApiError(400, str(e), code="model_not_found", param="model") from None
     try:
         # newline="\n": lines split as the upload check split them, whatever stray \r they hold.
-        with f.path.open(encoding="utf-8", newline="\n") as src:
+        with f.path.open(encoding="utf-8", errors="replace", newline="\n") as src:
             batch = submit(src, r=r, model=queue, completion_window=window, metadata=body.metadata,
-                           input_name=body.input_file_id, endpoint=body.endpoint)
+                           input_name=body.input_file_id, endpoint=body.endpoint,
+                           line_errors=[LineErrorInfo(**e) for e in f.info.get("bad_lines", ())])
     except OSError:
         raise not_found("file", body.input_file_id) from None
+    expires = body.output_expires_after.seconds if body.output_expires_after is not None else None
+    set_batch_options(r, batch.id, body.completion_window, expires)
+    batch = batch.model_copy(update={"completion_window": body.completion_window, "output_expires_after": expires})
     return batch_object(batch)
 
 

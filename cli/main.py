@@ -5,7 +5,7 @@ Exit codes:
   0    success
   1    a user error: bad file, unknown batch id, unknown model, a bad SLUICE_* value (one line, no traceback)
   2    a usage error: unknown option, missing argument, bad option value (a size, a duration, a choice)
-  3    some requests failed or input lines were bad (their error lines are in the output or errors file)
+  3    some requests failed or input lines were bad (their error lines are in the errors file)
   4    the job server (SLUICE_REDIS_URL, or the embedded one of SLUICE_HOME) is unreachable or not running
   130  interrupted (Ctrl-C); a batch being waited on or followed runs on
 
@@ -29,7 +29,7 @@ import click
 
 from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
 from cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
-from cli.output import STDIO
+from cli.output import STDIO, default_errors_path
 from cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
 from cli.serve_cmds import serve_cmd, up_cmd, worker_cmd
 from cli.server_cmds import server_cmd
@@ -58,14 +58,19 @@ def cli(verbose: bool) -> None:
 @click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
               required=True, help="Results, one OpenAI batch output line per request, written as each finishes "
               "(- for stdout).")
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix; with -o -, "
+              "stdout too].")
 @with_engine_options
 @with_sampling_options
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def generate(input_file: Path, output_file: Path, model: str | None, dtype: str, max_num_seqs: int,
-             max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str, max_tokens: int | None,
-             temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
-    """Run INPUT_FILE (JSONL; - reads stdin) through the engine in-process, no queue, writing results to OUTPUT.
+def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str,
+             max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str,
+             enforce_eager: bool, model_impl: str, max_tokens: int | None, temperature: float | None,
+             top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
+    """Run INPUT_FILE (JSONL; - reads stdin) through the engine in-process, no queue: results to OUTPUT,
+    failures to ERRORS.
 
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
@@ -78,12 +83,14 @@ def generate(input_file: Path, output_file: Path, model: str | None, dtype: str,
         raise click.UsageError("--resume needs an OUTPUT file to resume, not stdout")
     # The engine writes through its own file object; on stdout that is the process's own stdout.
     target = Path("/dev/stdout") if to_stdout else output_file
+    errors = errors_file or (target if to_stdout else default_errors_path(output_file))
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed)
-    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
+    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
+                           model_impl)
     t0 = time.time()
     try:
         with readable_input(input_file) as src:
-            s = generate_file(src, target, model=model, engine_kwargs=kwargs, defaults=defaults,
+            s = generate_file(src, target, errors, model=model, engine_kwargs=kwargs, defaults=defaults,
                               resume=resume, progress=not no_progress)
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None

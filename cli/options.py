@@ -54,6 +54,11 @@ engine_options = [
                "90% of memory)."),
     env_option("--policy", envvar="SLUICE_POLICY", type=click.Choice(["continuous", "static"]), default="continuous",
                show_default=True, help="static (a cohort at a time) exists as the benchmark baseline."),
+    env_option("--enforce-eager", envvar="SLUICE_ENFORCE_EAGER", is_flag=True,
+               help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."),
+    env_option("--model-impl", envvar="SLUICE_MODEL_IMPL", type=click.Choice(["auto", "native", "transformers"]),
+               default="auto", show_default=True, help="native (Llama family, Qwen3: fastest) or transformers (any "
+               "decoder-only model it loads); auto picks native where it exists."),
 ]
 
 sampling_options = [
@@ -86,6 +91,6 @@ def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: 
 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
-                  policy: str) -> dict[str, Any]:
+                  policy: str, enforce_eager: bool = False, model_impl: str = "auto") -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=kv_cache_memory, policy=policy)
+                kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl)

@@ -14,7 +14,7 @@ a request can reuse prefix blocks that another request in the same step is filli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -56,8 +56,19 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,  # a query at position p sees keys at positions > p - window
+        logits_soft_cap: float | None = None,  # scores become cap * tanh(scores / cap) before masking
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+
+@dataclass(frozen=True)
+class LayerKVSpec:
+    """What one layer keeps per token in the cache: layers of one model may differ (Gemma 3n, OpenELM...)."""
+
+    num_kv_heads: int
+    head_dim: int
 
 
 def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -79,7 +90,18 @@ class _Group:
     q_valid: torch.Tensor  # [B, Q] bool
     blocks: torch.Tensor  # [B * nb] the sequences' block ids, flattened
     mask: torch.Tensor  # [B, 1, Q, L] bool, True where a query may see a key
+    q_pos: torch.Tensor  # [B, Q] absolute position of each padded query
     rows: torch.Tensor | None = None  # the same blocks as rows of every head's cache (built at first use)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window, built at first use
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.mask
+        if sliding_window not in self.window_masks:
+            kj = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            inside = kj[None, None, :] > self.q_pos[:, :, None] - sliding_window
+            self.window_masks[sliding_window] = self.mask & inside[:, None]
+        return self.window_masks[sliding_window]
 
 
 def _make_group(meta: AttentionMetadata, idx: torch.Tensor, block_size: int) -> _Group:
@@ -98,7 +120,7 @@ def _make_group(meta: AttentionMetadata, idx: torch.Tensor, block_size: int) -> 
     q_pos = (seq_lens - q_lens)[:, None] + qi[None, :]
     mask = (kj[None, None, :] <= q_pos[:, :, None]) & (kj[None, None, :] < seq_lens[:, None, None])
     blocks = meta.block_tables[idx][:, :nb].long().flatten()
-    return _Group(q_rows, q_valid, blocks, mask[:, None])
+    return _Group(q_rows, q_valid, blocks, mask[:, None], q_pos)
 
 
 def _length_buckets(idx: torch.Tensor, seq_lens: torch.Tensor, min_size: int = 16,
@@ -145,13 +167,16 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         k_hm, v_hm = head_major(k_cache), head_major(v_cache)
         store_kv(k, v, k_hm, v_hm, meta.slot_mapping)
         out = torch.empty_like(q)
         groups = meta.groups if meta.groups is not None else self.prepare(meta)
         for g in groups:
-            res = _attend_group(q, k_hm, v_hm, g, scale)
+            res = _attend_group(q, k_hm, v_hm, g, scale, g.mask_for(sliding_window), logits_soft_cap)
             out[g.q_rows[g.q_valid]] = res[g.q_valid]
         return out
 
@@ -167,18 +192,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.T
     v_hm.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _attend_group(q: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+def _attend_group(q: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor, g: _Group, scale: float,
+                  mask: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
     b, qm = g.q_rows.shape
     h_kv, d = k_hm.shape[0], k_hm.shape[-1]
     group = q.shape[1] // h_kv
-    lm = g.mask.shape[-1]
+    lm = mask.shape[-1]
     # [B, Q, Hq, D] -> [B, Hkv, G*Q, D]: per KV head, each sequence's query heads side by side, so GQA is
     # plain attention with G*Q queries (the library's own GQA path is slow on CPU).
     qg = q[g.q_rows].view(b, qm, h_kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, group * qm, d)
     keys = _gather_blocks(k_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
     vals = _gather_blocks(v_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
-    mask = g.mask if qm == 1 else g.mask.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
-    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
+    mask = mask if qm == 1 else mask.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
+    else:  # SDPA has no soft-capping: the scores are capped by hand, in the order transformers' eager path uses
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = torch.matmul(probs, vals)
     return out.view(b, h_kv, group, qm, d).permute(0, 3, 1, 2, 4).reshape(b, qm, h_kv * group, d)
 
 

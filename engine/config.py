@@ -22,6 +22,11 @@ class EngineConfig:
     policy: str = "continuous"  # "static" exists only as the benchmark baseline
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | cpu (C++ op) | torch (PyTorch fallback) | triton
+    enforce_eager: bool = False  # CUDA: no graph capture of decode steps
+    # Pad decode-only steps to a few batch sizes (engine/graph_runner.py). None = where graphs are
+    # captured (CUDA, Triton, not enforce_eager); True elsewhere runs them padded but eager (tests).
+    pad_decode: bool | None = None
+    model_impl: str = "auto"  # auto (native where it exists, else transformers) | native | transformers
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -30,3 +35,5 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {self.attention_backend!r}")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")

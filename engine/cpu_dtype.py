@@ -57,8 +57,10 @@ def pick_cpu_dtype(config: Any) -> tuple[torch.dtype, str]:
 
 def _decode_layer(config: Any, dtype: torch.dtype) -> Callable[[], None]:
     """A closure running one layer's matmuls and attention at a decode step's shapes."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    # Not every architecture names these (GPT-NeoX has no KV head count): the usual defaults stand in.
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    inter = getattr(config, "intermediate_size", None) or 4 * hidden
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     shapes = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
     gen = torch.Generator().manual_seed(0)

@@ -14,9 +14,17 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
+from engine.guided import GuidedDecoding, advance_guide
+from engine.loader import (
+    check_decoder_only,
+    dense_path,
+    load_config,
+    load_hf_model,
+    load_tokenizer,
+    resolve_model,
+)
 from engine.model_runner import ModelRunner
-from engine.models.llama import build_model
+from engine.models.select import build_model, pick_model_impl
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -38,17 +46,19 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
+        check_decoder_only(load_config(model))  # before anything reads the config as a decoder's
         self.dtype = _pick_dtype(self.config.dtype, self.device, model)
         hf = load_hf_model(model, self.dtype)
         self.tokenizer = load_tokenizer(model)
         self.hf_config = hf.config
-        max_len = _model_max_len(hf.config)
+        self.model_impl = pick_model_impl(hf.config, self.config.model_impl)
+        log.info("model %s: %s implementation", hf.config.model_type, self.model_impl)
+        max_len = _model_max_len(hf.config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
-        net = build_model(hf.config, max_len, self.device, self.dtype)
-        net.load_hf_state_dict(hf.state_dict())
+        net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
         del hf
-        self.runner = ModelRunner(self.config, net.eval(), self.device, self.dtype)
+        self.runner = ModelRunner(self.config, net, self.device, self.dtype)
         num_blocks = self._num_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = min(max_len, num_blocks * self.config.block_size)
@@ -57,6 +67,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)
+        self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.requests: dict[str, _RequestState] = {}
         self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
@@ -105,10 +116,12 @@ class LLM:
         try:
             prompt_ids = self._prompt_ids(request)
             self._check_fits(request, prompt_ids)
+            grammar = self.guided.compile(request.params)
         except ValueError as e:
             self._rejected.append(_error_completion(request, str(e), arrival))
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
+        self.guided.attach(seqs, grammar)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -156,29 +169,35 @@ class LLM:
             order.append(r.request_id)
         results: dict[str, Completion] = {}
         bar = _progress_bar(len(order)) if progress else None
-        tokens, t0 = 0, time.time()
+        finished_tokens = 0
         while self.has_unfinished():
-            for c in self.step():
+            done = self.step()
+            for c in done:
                 results[c.request_id] = c
-                tokens += c.usage.completion_tokens
+                finished_tokens += c.usage.completion_tokens
                 if on_finish is not None:
                     on_finish(c)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tokens / max(time.time() - t0, 1e-9):.0f} tok/s")
+            if bar is not None:
+                bar.advance(len(done))
+                if bar.due():
+                    bar.show_rate(finished_tokens + self._tokens_in_flight())
         if bar is not None:
+            bar.show_rate(finished_tokens)
             bar.close()
         return [results[rid] for rid in order]
 
     # ---- internals ------------------------------------------------------------------------------
+    def _tokens_in_flight(self) -> int:
+        return sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
+
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -211,7 +230,8 @@ class LLM:
                        arrival_time=arrival)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.seed is not None:
-            seq.generator = torch.Generator().manual_seed(p.seed + index)
+            # On the logits' device: the sampler draws there, and a generator serves one device.
+            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
         if p.min_tokens:
@@ -232,6 +252,8 @@ class LLM:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        else:
+            reason = advance_guide(seq, token)  # "stop" once a structured output is complete
         if reason is not None:
             self._finish(seq, reason)
 
@@ -292,11 +314,11 @@ def _pick_dtype(name: str, device: torch.device, model: str | None) -> torch.dty
     return dtype
 
 
-def _model_max_len(config: Any) -> int:
+def _model_max_len(config: Any, impl: str) -> int:
     n = getattr(config, "max_position_embeddings", None) or 4096
     window = getattr(config, "sliding_window", None)
-    # Attention here is full; cap at a sliding window so the model never sees past what it was trained on.
-    return min(n, window) if window else n
+    # The native path attends fully: cap at a sliding window so the model never sees past what it was trained on.
+    return min(n, window) if window and impl == "native" else n
 
 
 def _eos_ids(config: Any, tokenizer: Any, model: str | None) -> set[int]:
@@ -318,8 +340,32 @@ def _generation_eos(model: str | None) -> Any:
         return None
 
 
-def _progress_bar(total: int) -> Any:
-    from tqdm import tqdm
+class _Progress:
+    """generate's bar: requests done, and tokens/s over every token sampled so far. Counting only
+    finished requests' tokens would read near zero for most of a big batch, whose requests all finish
+    late. The in-flight count sums over the requests in flight, so it is taken every ``interval`` s."""
 
-    return tqdm(total=total, unit="req", desc="generate")
+    def __init__(self, total: int, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
+        from tqdm import tqdm
 
+        self.bar = tqdm(total=total, unit="req", desc="generate", **tqdm_kwargs)
+        self.interval = interval
+        self.start = self.shown = time.monotonic()
+
+    def advance(self, finished: int) -> None:
+        if finished:
+            self.bar.update(finished)
+
+    def due(self) -> bool:
+        return time.monotonic() - self.shown >= self.interval
+
+    def show_rate(self, tokens: int) -> None:
+        self.shown = time.monotonic()
+        self.bar.set_postfix_str(f"{tokens / max(self.shown - self.start, 1e-9):.0f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(total: int) -> _Progress:
+    return _Progress(total)

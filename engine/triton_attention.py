@@ -17,6 +17,11 @@ class TritonAttention:
     longer query takes the varlen prefill kernel, which handles the decodes in it too.
     """
 
+    # Decode launches depend on shapes alone (no host sync), so a decode step can be a CUDA graph.
+    supports_cuda_graphs = True
+    # Every load is masked to the context's written slots, so fresh cache blocks need no zeroing.
+    reads_unwritten_slots = False
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -26,11 +31,15 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         from kernels.kv_write import store_kvcache
         from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         if meta.max_query_len != 1:
             return paged_prefill_attention(
                 q,
@@ -41,14 +50,15 @@ class TritonAttention:
                 meta.seq_lens,
                 meta.max_query_len,
                 scale,
+                **extra,
             )
         # Decode splits the context by the block table's width: trim it to this step's longest sequence.
         width = -(-meta.max_seq_len // k_cache.shape[1])
         tables = meta.block_tables[:, :width]
         num_seqs = meta.num_seqs
         if q.shape[0] == num_seqs:
-            return paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, scale)
+            return paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, scale, **extra)
         # Rows past the last sequence (padding) belong to no sequence: leave them zero.
         out = torch.zeros_like(q)
-        out[:num_seqs] = paged_decode_attention(q[:num_seqs], k_cache, v_cache, tables, meta.seq_lens, scale)
+        out[:num_seqs] = paged_decode_attention(q[:num_seqs], k_cache, v_cache, tables, meta.seq_lens, scale, **extra)
         return out

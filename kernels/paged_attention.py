@@ -42,9 +42,20 @@ def _load_kv_tile(
 ):
     """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0)."""
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    # int64 for the head too: in the head-major cache stride_h spans a whole layer's blocks, so
+    # kv_head * stride_h passes 2**31 in a big cache even where each factor fits in 32 bits.
+    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head.to(tl.int64) * stride_h
     ptrs = cache_ptr + row[:, None] + dims[None, :] * stride_d
     return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _scores(q, k, scale_log2, cap_log2, SOFT_CAP: tl.constexpr):
+    """Scores in base 2; with SOFT_CAP, ``cap * tanh(s / cap)`` (tanh as 2 * sigmoid(2x) - 1: no libdevice)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    if SOFT_CAP:
+        s = cap_log2 * (2.0 * tl.sigmoid(2.0 * s / cap_log2) - 1.0)
+    return s
 
 
 # Scalars that vary from step to step are not specialised (on == 1 or % 16), so that a long run does not
@@ -61,6 +72,8 @@ def _decode_split_kernel(
     l_part_ptr,
     acc_part_ptr,
     scale_log2,
+    cap_log2,
+    window,
     tokens_per_split,
     num_splits,
     stride_qb,
@@ -85,6 +98,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # a single split: write the normalised output, no partials
+    SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr,  # only the last ``window`` positions are visible
 ):
     """One (sequence, KV head, split): all GROUP query heads share each K/V tile that is loaded."""
     b = tl.program_id(0).to(tl.int64)
@@ -95,6 +110,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)  # end <= start: an empty split
+    if SLIDING:
+        start = tl.maximum(start, seq_len - window)  # so every tile still holds a visible token
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
@@ -119,7 +136,7 @@ def _decode_split_kernel(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
             stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,7 +198,7 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -189,8 +206,12 @@ def _prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    tile_starts_ptr,
+    num_seqs,
     out_ptr,
     scale_log2,
+    cap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -212,16 +233,28 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr,  # a query at position p sees keys at positions > p - window
 ):
-    """One (query tile, sequence, KV head).
+    """One (query tile of some sequence, KV head).
 
     The tile's rows are (query token, query head) pairs, GROUP heads per token, so the heads that
     share a KV head share every K/V tile loaded: short queries over a long context stay cheap.
+    Tiles are numbered across the batch (``tile_starts[b]`` is sequence b's first), so a step with
+    one long chunk and many decodes launches a program per real tile, not longest query x batch.
     """
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The sequence owning tile t: how many sequences start at or before it, counted 128 at a time.
+    b = 0
+    for c in range(0, num_seqs, 128):
+        idx = c + tl.arange(0, 128)
+        later = tl.load(tile_starts_ptr + 1 + idx, mask=idx < num_seqs, other=2**31 - 1)
+        b += tl.sum((later <= t).to(tl.int32), 0)
+    if b >= num_seqs:  # the grid is an upper bound on the tile count
+        return
+    tile = t - tl.load(tile_starts_ptr + b)
 
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -248,7 +281,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for kv_tile in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len + tok0 - window + 1, 0)  # the tile's first query sees no further back
+    for kv_tile in range(kv_start, kv_end, BLOCK_N):
         pos = kv_tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         k = _load_kv_tile(
@@ -259,8 +295,10 @@ def _prefill_kernel(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
             stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -315,6 +353,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[b]`` cached tokens.
 
@@ -352,6 +393,8 @@ def paged_decode_attention(
         l_part,
         acc_part,
         scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        sliding_window or 0,
         tokens_per_split,
         num_splits,
         *q.stride(),
@@ -366,6 +409,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N,
         DIRECT=num_splits == 1,
+        SOFT_CAP=logits_soft_cap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     if num_splits > 1:
@@ -393,6 +438,9 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries ``q [T, Hq, D]``, every key read from the cache.
 
@@ -407,7 +455,11 @@ def paged_prefill_attention(
         return out
     head_dim = q.shape[2]
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    grid = (triton.cdiv(max_query_len, block_m // group), batch, k_cache.shape[2])
+    tokens = block_m // group
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tile_starts = torch.nn.functional.pad(torch.cumsum((q_lens + tokens - 1) // tokens, 0), (1, 0)).int()
+    # sum(cdiv(q_len, tokens)) < cdiv(total, tokens) + batch: a bound known without a device sync.
+    grid = (triton.cdiv(q.shape[0], tokens) + batch, k_cache.shape[2])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -415,8 +467,12 @@ def paged_prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        tile_starts,
+        batch,
         out,
         scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        sliding_window or 0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -428,6 +484,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=PREFILL_BLOCK_N,
+        SOFT_CAP=logits_soft_cap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     return out

@@ -20,11 +20,14 @@ def paged_attention_reference(
     seq_lens: list[int],
     query_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries ``[T, Hq, D]``, in float64.
 
     Query ``j`` of sequence ``b`` (rows packed back to back) sits at position
-    ``seq_lens[b] - query_lens[b] + j`` and sees the keys up to it.
+    ``p = seq_lens[b] - query_lens[b] + j`` and sees the keys up to it (only those after
+    ``p - sliding_window`` with a window); soft-capped scores are ``cap * tanh(scores / cap)``.
     """
     group = q.shape[1] // k_cache.shape[2]
     out, row = [], 0
@@ -34,10 +37,15 @@ def paged_attention_reference(
         )  # [Hq, n, D]
         v = gather_tokens(v_cache, block_tables[b], n).repeat_interleave(group, 1).transpose(0, 1)
         qb = q[row : row + m].double().transpose(0, 1)  # [Hq, m, D]
-        visible = (
-            torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
-        )
-        o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=scale)
+        key_pos = torch.arange(n, device=q.device)[None, :]
+        q_pos = torch.arange(n - m, n, device=q.device)[:, None]
+        visible = key_pos <= q_pos
+        if sliding_window is not None:
+            visible &= key_pos > q_pos - sliding_window
+        scores = qb @ k.transpose(-1, -2) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        o = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
         out.append(o.transpose(0, 1))
         row += m
     return torch.cat(out)

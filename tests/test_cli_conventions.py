@@ -133,12 +133,14 @@ def test_dash_is_stdin_and_stdout(busy: Path, tiny_model_dir: Path, tmp_path: Pa
     assert again.returncode == 0 and sorted(again.stdout.splitlines()) == sorted(done.stdout.splitlines())
 
     gen = subprocess.run([SLUICE, "generate", "-", "-o", "-", "--model", str(tiny_model_dir), "--dtype", "float32",
-                          "--kv-cache-memory", "16MiB", "--no-progress"], input=lines, cwd=ROOT, capture_output=True,
-                         text=True, timeout=180)
-    assert gen.returncode == 0, gen.stderr
-    out = [json.loads(x) for x in gen.stdout.splitlines()]
-    assert sorted(x["custom_id"] for x in out) == sorted(f"job-{i}" for i in range(n)) and "-> stdout" in gen.stderr
-    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 3 for x in out)
+                          "--kv-cache-memory", "16MiB", "--no-progress"], input=lines + "not json\n", cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180)
+    assert gen.returncode == EXIT_SOME_FAILED, gen.stderr
+    out = {x["custom_id"]: x for x in map(json.loads, gen.stdout.splitlines())}
+    bad = out.pop(f"line-{n + 1}")  # with -o -, the errors stream is stdout too, not a file named "-.errors"
+    assert bad["error"]["line"] == n + 1 and list(tmp_path.iterdir()) == []
+    assert sorted(out) == sorted(f"job-{i}" for i in range(n)) and "-> stdout" in gen.stderr
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 3 for x in out.values())
     res = invoke("generate", "-", "-o", "-", "--resume", input=lines)
     assert res.exit_code == EXIT_USAGE and "--resume" in res.stderr
 
@@ -154,7 +156,8 @@ def test_options_read_from_the_environment(busy: Path, tiny_model_dir: Path) -> 
     bad = invoke("worker", env={"SLUICE_KV_CACHE_MEMORY": "lots"})
     assert bad.exit_code == EXIT_USAGE and "SLUICE_KV_CACHE_MEMORY" not in bad.stdout
     assert "'lots' is not a size" in bad.stderr
-    assert "[env var: SLUICE_MODEL" in invoke("worker", "--help").stdout.replace("\n  ", " ")
+    help_text = " ".join(invoke("worker", "--help").stdout.split())
+    assert all(f"[env var: SLUICE_{v}" in help_text for v in ("MODEL", "MODEL_IMPL", "ENFORCE_EAGER"))
 
 
 def test_every_documented_exit_code(idle: Path, tmp_path: Path) -> None:

@@ -348,7 +348,8 @@ def test_architecture_map_covers_every_package() -> None:
 
 def test_readme_sections() -> None:
     for title in ("Two commands", "Why continuous batching", "Quick start (CLI)", "The HTTP API with the OpenAI SDK",
-                  "docker-compose", "Configuration", "Metrics", "Benchmarks", "Architecture", "Redis layout and sharding",
+                  "docker-compose", "Configuration", "Metrics", "Models", "Benchmarks", "Architecture",
+                  "Redis layout and sharding",
                   "Celery"):
         section(title)
     bench = section("Benchmarks")

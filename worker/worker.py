@@ -188,8 +188,8 @@ class Worker:
         self._install_signals()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
-        log.info("worker %s on queue %r: %d KV blocks, holds at most %d jobs", self.id, self.o.queue,
-                 self.llm.num_total_blocks, self.puller.max_held)
+        log.info("worker %s on queue %r: %s model implementation, %d KV blocks, holds at most %d jobs", self.id,
+                 self.o.queue, self.llm.model_impl, self.llm.num_total_blocks, self.puller.max_held)
         # Writing results and cancel news happen beside the step loop, so a step never waits on Redis.
         for target in (self._background, self._listen_cancels):
             t = threading.Thread(target=target, name=f"sluice-{target.__name__.strip('_')}", daemon=True)

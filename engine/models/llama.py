@@ -1,4 +1,4 @@
-"""Llama-family decoder over packed tokens (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""Llama-family decoder over packed tokens (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 No padding: the step's tokens from all sequences are one ``[T]`` row, with their positions and cache
 slots in the explicit ``AttentionMetadata``. q/k/v and gate/up are fused into one matmul each.
@@ -12,16 +12,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 
 
 class RMSNorm(nn.Module):
+    """With ``residual``, normalise ``x + residual`` and return it too (the next residual stream)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # kernels/fused.py's Triton kernel: one launch for the add and the norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.fused:
+            from kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers, so float32 results agree bit for bit.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,8 +62,13 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = False  # kernels/fused.py's Triton kernel, rotating q and k in place
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from kernels.fused import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -71,7 +89,7 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -81,6 +99,9 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3: RMSNorm over each head's q and k, before rotary.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -89,6 +110,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -107,20 +130,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, head_dim, qkv_bias, o_bias)
+        self.self_attn = Attention(config, head_dim, qkv_bias, o_bias, qk_norm)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (MLP output, residual stream); the next norm adds them, so the add and norm fuse."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias)
+        qk_norm = config.model_type == "qwen3"
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -144,10 +175,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """RMSNorm (+ residual) and rotary through kernels/fused.py (Triton; CUDA, or the interpreter)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = on
+        half = self.head_dim // 2
+        self.rotary.fused = on and half & (half - 1) == 0  # the rotary kernel needs a power-of-two half
+
+    def kv_spec(self) -> list[LayerKVSpec]:
+        return [LayerKVSpec(self.config.num_key_value_heads, self.head_dim)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Reduce in float32: argmax and softmax over bfloat16 logits are slow on CPU and lose ties.
