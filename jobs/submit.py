@@ -42,7 +42,8 @@ class JobServerFull(redis.ResponseError):
 
 
 def is_full(e: BaseException) -> bool:
-    return isinstance(e, redis.ResponseError) and str(e).startswith("OOM")
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or (
+        isinstance(e, redis.ResponseError) and "maxmemory" in str(e))
 
 
 def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | None = None,
