@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -292,3 +293,41 @@ def test_an_unreadable_job_entry_fails_with_a_reason(r: redis.Redis, tiny_model_
     assert entries[2]["status"] == "failed" and entries[2]["error"]["code"] == "unreadable_job"
     assert [e["status"] for i, e in sorted(entries.items()) if i < 2] == ["completed", "completed"]
     assert result_entries(r, sub.bid)
+
+
+# ---- 9. the Celery completion forwarder outlives a Redis refusal ---------------------------------------
+def test_the_completion_forwarder_outlives_redis_refusing_the_put_back(r: redis.Redis,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker refuses a signature and Redis then refuses to take the batch id back (full): the
+    forwarder must keep the id, put it back later, and go on sending the ones after it."""
+    from kombu.exceptions import OperationalError
+
+    import jobs.celery_app as celery_app
+
+    refused: list[str] = []
+    sent: list[str] = []
+
+    def send(client: Any, batch_id: str) -> None:
+        if not refused:
+            refused.append(batch_id)
+            r.config_set("maxmemory", 1)  # the LPUSH that puts it back now fails
+            raise OperationalError("broker unreachable")
+        sent.append(batch_id)
+
+    monkeypatch.setattr(celery_app, "send_completion", send)
+    monkeypatch.setattr(celery_app, "_redis", lambda: r)
+    r.rpush(keys.completions(), "batch_one")
+    stop = threading.Event()
+    t = threading.Thread(target=celery_app.forward_completions, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: refused, 10, "the broker's refusal")
+        time.sleep(1.5)  # a put-back or two refused meanwhile
+        r.config_set("maxmemory", 0)
+        r.rpush(keys.completions(), "batch_two")
+        wait_for(lambda: sent == ["batch_one", "batch_two"], 15, "both signatures sent")
+    finally:
+        r.config_set("maxmemory", 0)
+        stop.set()
+        t.join(timeout=5)
+    assert not t.is_alive() and r.llen(keys.completions()) == 0
