@@ -331,3 +331,23 @@ def test_the_completion_forwarder_outlives_redis_refusing_the_put_back(r: redis.
         stop.set()
         t.join(timeout=5)
     assert not t.is_alive() and r.llen(keys.completions()) == 0
+
+
+# ---- 2 and 3 through the API: a bad number is a 400, a full job server a 507 ---------------------------
+def test_the_api_rejects_nan_and_reports_a_full_job_server(r: redis.Redis, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    c = TestClient(create_app(Settings(api_key=None, files_dir=tmp_path / "files")))
+    nan = c.post("/v1/jobs", content=b'{"prompt": "x", "deadline": NaN}', headers={"content-type": "application/json"})
+    assert nan.status_code == 400 and "deadline" in nan.json()["error"]["message"]
+    assert r.zcard(keys.open_batches()) == 0
+    r.config_set("maxmemory", 1)
+    try:
+        full = c.post("/v1/jobs", json={"prompt": "x"})
+    finally:
+        r.config_set("maxmemory", 0)
+    assert full.status_code == 507 and full.json()["error"]["code"] == "job_server_full"
+    assert r.zcard(keys.all_batches()) == 0  # nothing of the refused job was kept
