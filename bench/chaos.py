@@ -59,10 +59,17 @@ class Workers:
     def __init__(self, model: str, n: int, logs: Path, max_num_seqs: int) -> None:
         self.model, self.logs, self.max_num_seqs = model, logs, max_num_seqs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.starts: Counter[str] = Counter()
         for i in range(n):
             self.start(f"w{i}")
 
+    def up(self, wid: str) -> bool:
+        """The latest start of ``wid`` runs its loop (its signal handlers are in place)."""
+        log = (self.logs / f"{wid}.log").read_text(errors="replace")
+        return log.count(f"worker {wid} on queue") >= self.starts[wid] or self.procs[wid].poll() is not None
+
     def start(self, wid: str) -> None:
+        self.starts[wid] += 1
         cmd = [sys.executable, "-m", "worker", "--model", self.model, "--queue", QUEUE, "--dtype", "float32",
                "--worker-id", wid, "--heartbeat-ttl", str(HEARTBEAT_TTL), "--max-deliveries", "10",
                "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory", str(4 << 20)]
@@ -70,6 +77,7 @@ class Workers:
         self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
 
     def stop(self) -> dict[str, int | None]:
+        wait_for(lambda: all(self.up(w) for w in self.procs), 300, "every worker up before stopping them")
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
@@ -125,13 +133,13 @@ def check(r: redis.Redis, batch_id: str, total: int, status: str) -> dict[str, i
     return dict(by_status)
 
 
-def chaos(args: argparse.Namespace, home: Path) -> dict[str, Any]:
+def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None:
     rng = random.Random(args.seed)
     ensure_server(home)
     r = connect()
     b = submit(lines(args.jobs, rng, (args.min_tokens, args.max_tokens), "j"), r=r, model=QUEUE)
     workers = Workers(args.model, args.workers, home, args.max_num_seqs)
-    events: list[str] = []
+    events: list[str] = summary.setdefault("events", [])
     t0 = time.monotonic()
 
     def done() -> int:
@@ -181,8 +189,7 @@ def chaos(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     wait_for(lambda: (m := get_batch(r, b.id)) is not None and m.is_final, args.timeout, "the batch to finish")
     wall = time.monotonic() - t0
     codes = workers.stop()
-    summary: dict[str, Any] = {"seed": args.seed, "jobs": args.jobs, "workers": args.workers, "wall_s": round(wall, 1),
-                               "events": events, "exit_codes": codes}
+    summary.update(wall_s=round(wall, 1), exit_codes=codes)
     summary["outcomes"] = check(r, b.id, args.jobs, "completed")
     if victim is not None:
         summary["cancelled_batch"] = check(r, victim.id, victim.counts.total, "cancelled")
@@ -193,7 +200,6 @@ def chaos(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         raise Broken(f"not every job completed: {summary['outcomes']}")
     if any(c != 0 for c in codes.values()):
         raise Broken(f"a worker did not drain cleanly: {codes}")
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="sluice-chaos-")
         os.environ[ENV_HOME] = tmp.name
     home = Path(os.environ[ENV_HOME])
+    summary: dict[str, Any] = {"seed": args.seed, "jobs": args.jobs, "workers": args.workers}
     try:
-        summary = chaos(args, home)
+        chaos(args, home, summary)
         ok = 0
     except Broken as e:
-        summary, ok = {"seed": args.seed, "broken": str(e)}, 1
+        summary["broken"], ok = str(e), 1
         for log in sorted(home.glob("w*.log")):
             print(f"---- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
     finally:

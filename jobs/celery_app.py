@@ -197,8 +197,9 @@ def submit_batch(lines: Iterable[str | dict[str, Any]] | None = None, path: str 
 
 
 def _read(path: Path) -> Iterator[str]:
-    """The file's lines, streamed (a large file is never held whole)."""
-    with path.open(encoding="utf-8", errors="replace", newline="\n") as f:
+    """The file's lines, streamed (a large file is never held whole); a line that is not UTF-8 is
+    rejected by its parse, naming it, as the CLI and the API do."""
+    with path.open(encoding="utf-8", errors="surrogateescape", newline="\n") as f:
         yield from f
 
 

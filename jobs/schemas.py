@@ -264,7 +264,13 @@ _SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages",
 
 def parse_line(text: str, line_no: int, defaults: SamplingParams | None = None, *,
                batch_id: str | None = None, idx: int = 0, created_at: float = 0.0) -> Job:
-    """One input line (OpenAI batch or simple) -> Job; raises LineError naming ``line_no``."""
+    """One input line (OpenAI batch or simple) -> Job; raises LineError naming ``line_no``. A line read
+    with ``errors="surrogateescape"`` that was not UTF-8 is rejected as such."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise LineError(line_no, "invalid_encoding", f"not UTF-8 (character {e.start + 1})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

@@ -351,3 +351,14 @@ def test_the_api_rejects_nan_and_reports_a_full_job_server(r: redis.Redis, tmp_p
         r.config_set("maxmemory", 0)
     assert full.status_code == 507 and full.json()["error"]["code"] == "job_server_full"
     assert r.zcard(keys.all_batches()) == 0  # nothing of the refused job was kept
+
+
+# ---- also: a line that is not UTF-8 is rejected by its number, everywhere -------------------------------
+def test_a_line_that_is_not_utf8_is_a_bad_line_in_celery_and_cli_reads(r: redis.Redis, tmp_path: Path) -> None:
+    from jobs.celery_app import _read
+
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n{"prompt": "also fine"}\n')
+    b = submit(_read(f), r=r, model="q")
+    assert (b.counts.total, b.counts.invalid) == (2, 1)
+    assert (b.errors[0].line, b.errors[0].code) == (2, "invalid_encoding")

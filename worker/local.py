@@ -36,7 +36,8 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
     done = values_in(output_path, "custom_id") if resume else set()
     if not resume:
         output_path.write_text("")
-    with output_path.open("a") as out, input_path.open() as src:
+    # Undecodable bytes kept as escapes: that line fails as not UTF-8, the rest runs.
+    with output_path.open("a") as out, input_path.open(encoding="utf-8", errors="surrogateescape") as src:
         jobs = list(_read_jobs(src, defaults, done, out, summary))
         if not jobs:
             return summary
