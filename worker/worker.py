@@ -17,26 +17,25 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from jobs import consumer, keys
 from jobs.consumer import CancelEvent, Delivery, Outcome, Pulled
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.schemas import ErrorInfo, Result, ResultTimings
-from jobs.server import connect
 from jobs.store import queue_depth
-from worker.convert import bare_result, completion_to_result, job_to_request
+from worker import outcomes
+from worker.cancel_feed import CancelFeed
+from worker.convert import completion_to_result, job_to_request
 from worker.heartbeat import Heartbeat
+from worker.identity import take_identity
 from worker.isolation import EngineSick, Isolation
 from worker.link import Link
 from worker.metrics import WorkerMetrics
+from worker.options import WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
 from worker.writer import REDIS_DOWN, WriteHeld, Writer
 
@@ -45,45 +44,7 @@ T = TypeVar("T")
 
 FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
 DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
-CANCEL_BLOCK_MS = 250  # the cancel listener's blocking read; also how long it takes to notice a stop
 HELD_BACKOFF_MAX = 5.0  # seconds between retries of outcomes that got an error reply
-
-
-@dataclass
-class WorkerOptions:
-    queue: str
-    worker_id: str | None = None  # default: "<host>/<device>", suffixed -2, -3... while taken
-    redis_url: str | None = None  # default: SLUICE_REDIS_URL, else the embedded server
-    lookahead: int | None = None  # default: 10% of max_num_seqs, at least 2
-    max_deliveries: int = 3
-    heartbeat_ttl: float = 10.0
-    claim_interval: float | None = None  # default: heartbeat_ttl / 2
-    grace_period: float = 30.0
-    metrics_port: int | None = None
-    housekeeping_interval: float = 30.0
-    results_ttl: float = RESULTS_TTL
-    poll_interval: float = 0.05  # idle wait between looks at the queue
-    exit_when_idle: float | None = None  # stop after this many seconds with nothing to do
-    stall_after: float = 600.0  # a step loop stuck this long (a hung engine) lets the heartbeat lapse
-
-
-@dataclass
-class WorkerReport:
-    worker_id: str = ""
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    expired: int = 0
-    dead_lettered: int = 0
-    released: int = 0  # handed back to the queue at shutdown
-    claimed: int = 0
-    tokens: int = 0
-    steps: int = 0
-    step_failures: int = 0
-    lost: int = 0  # jobs another worker took while our heartbeat had lapsed
-    sick: str = ""  # why the engine was judged sick (the worker then exits non-zero)
-    max_held: int = 0
-    wall_s: float = 0.0
 
 
 @dataclass
@@ -122,7 +83,8 @@ class Worker:
         cfg = getattr(llm, "config", None)
         max_seqs = getattr(cfg, "max_num_seqs", 256)
         self.link = Link(opts.redis_url)
-        self.id = self._take_identity(opts.worker_id or default_worker_id(llm), explicit=opts.worker_id is not None)
+        self.id = take_identity(self.link.r, opts.worker_id or default_worker_id(llm), opts.worker_id is not None,
+                                self._beat, opts.heartbeat_ttl)
         lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
         self.block_size = getattr(cfg, "block_size", 16)
         self.vocab_size: int | None = getattr(getattr(llm, "hf_config", None), "vocab_size", None)
@@ -137,8 +99,7 @@ class Worker:
         self.rids = itertools.count()
         self.t = _Timers()
         self.claim_every = opts.claim_interval or opts.heartbeat_ttl / 2
-        self.cancel_cursor = consumer.cancel_cursor(self.link.r, opts.queue)
-        self.cancel_events: deque[CancelEvent] = deque()  # filled by the cancel listener
+        self.cancels = CancelFeed(self.link, opts.queue, REDIS_DOWN)
         self.heartbeat = Heartbeat(self.link, self.id, lambda: self._beat(self.id), opts.heartbeat_ttl,
                                    opts.stall_after, REDIS_DOWN)
         self.held_backoff = 0.0
@@ -151,35 +112,7 @@ class Worker:
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
 
-    # ---- identity and heartbeat ------------------------------------------------------------------
-    def _take_identity(self, base: str, explicit: bool) -> str:
-        """A worker id no live worker holds. Our own id, left by a dead process of this host, is taken
-        over at once, so a restarted worker picks up its own pending jobs."""
-        for n in itertools.count(1):
-            wid = base if n == 1 else f"{base}-{n}"
-            if self._try_heartbeat(wid, wait=explicit):
-                return wid
-            if explicit:
-                raise ValueError(f"worker id {wid!r} is held by a live worker; pick another --worker-id")
-        raise AssertionError("unreachable")
-
-    def _try_heartbeat(self, wid: str, wait: bool) -> bool:
-        r = self.link.r
-        deadline = time.monotonic() + (self.o.heartbeat_ttl + 1 if wait else 0)
-        while True:
-            if consumer.claim_identity(r, wid, self._beat(wid), self._ttl_ms()):
-                return True
-            holder = consumer.identity_holder(r, wid)
-            if holder is not None and holder.get("host") == socket.gethostname() and not _pid_alive(holder["pid"]):
-                consumer.take_over(r, wid, self._beat(wid), self._ttl_ms())
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-
-    def _ttl_ms(self) -> int:
-        return int(self.o.heartbeat_ttl * 1000)
-
+    # ---- heartbeat -------------------------------------------------------------------------------
     def _beat(self, wid: str) -> str:
         llm = self.llm
         return json.dumps({
@@ -199,10 +132,10 @@ class Worker:
         # Writing results, cancel news and the heartbeat happen beside the step loop, so a step never
         # waits on Redis, and a long step does not look like a dead worker.
         self.heartbeat.start()
-        for target in (self._background, self._listen_cancels):
-            t = threading.Thread(target=target, name=f"sluice-{target.__name__.strip('_')}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        self.cancels.start()
+        t = threading.Thread(target=self._background, name="sluice-writer", daemon=True)
+        t.start()
+        self._threads.append(t)
         try:
             while not self._finished():
                 self._tick()
@@ -250,26 +183,9 @@ class Worker:
             if stopping:
                 return
 
-    def _listen_cancels(self) -> None:
-        """Block on the queue's cancel stream; the step loop applies what arrives before its next step."""
-        client, url = None, None
-        while not self._bg_stop.is_set():
-            try:
-                if client is None or url != self.link.url:
-                    url = self.link.url
-                    client = connect(url, retry=Retry(NoBackoff(), 0), socket_timeout=5.0, socket_connect_timeout=1.0)
-                self.cancel_cursor, events = consumer.read_cancels(client, self.o.queue, self.cancel_cursor,
-                                                                   CANCEL_BLOCK_MS)
-            except REDIS_DOWN:
-                time.sleep(0.2)
-                continue
-            self.cancel_events.extend(events)
-        if client is not None:
-            client.close()
-
     def _apply_cancels(self) -> None:
-        while self.cancel_events:
-            self._cancel(self.cancel_events.popleft())
+        for ev in self.cancels.take():
+            self._cancel(ev)
 
     def _redis(self, fn: Callable[..., T], *args: Any) -> T | None:
         """Run a Redis round trip unless Redis is down; note whether it answered."""
@@ -348,11 +264,7 @@ class Worker:
                 consumer.drop(self.link.r, u)
                 continue
             log.error("job %s:%s is unreadable: %s", u.batch_id, u.idx, u.reason)
-            res = Result(job_id=f"{u.batch_id}:{u.idx}", custom_id="", batch_id=u.batch_id, idx=u.idx, status="failed",
-                         error=ErrorInfo(code="unreadable_job", message=u.reason), worker=self.id,
-                         model=self.o.queue, timings=ResultTimings(finished=time.time()))
-            self.writer.add(Outcome(u.batch_id, u.idx, "failed", res.model_dump_json(exclude_none=True), u.stream,
-                                    u.entry_id))
+            self.writer.add(outcomes.unreadable(u, self.id, self.o.queue))
         return p.deliveries
 
     def _screen(self, ds: list[Delivery]) -> list[Delivery]:
@@ -540,19 +452,11 @@ class Worker:
 
     # ---- outcomes --------------------------------------------------------------------------------
     def _settle(self, d: Delivery, status: str, code: str, message: str) -> None:
-        res = bare_result(d.job, status, code, message, self.id, self.o.queue)
-        self.writer.add(Outcome(d.job.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True),
-                                d.stream, d.entry_id))
+        self.writer.add(outcomes.settled(d, status, code, message, self.id, self.o.queue))
 
     def _dead_letter(self, d: Delivery, error: str) -> None:
         log.error("dead-lettering job %s after %d deliveries: %s", d.job.id, d.deliveries, error)
-        message = f"gave up after {d.deliveries} deliveries; last error: {error}"
-        res = bare_result(d.job, "failed", "dead_letter", message, self.id, self.o.queue)
-        dead = json.dumps({"idx": d.job.idx, "custom_id": d.job.custom_id, "error": error,
-                           "deliveries": d.deliveries, "worker": self.id,
-                           "job": d.job.model_dump(mode="json", exclude_none=True)})
-        self.writer.add(Outcome(d.job.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True),
-                                d.stream, d.entry_id, dead))
+        self.writer.add(outcomes.dead_letter(d, error, self.id, self.o.queue))
         self.report.dead_lettered += 1
 
     def _flush(self) -> None:
@@ -631,22 +535,13 @@ class Worker:
         self._wake.set()
         for t in self._threads:
             t.join(timeout=FLUSH_AFTER_GRACE)
+        self.cancels.stop(FLUSH_AFTER_GRACE)
         self.heartbeat.stop()
         for sig, old in self._old_signals.items():
             signal.signal(sig, old)
         self._redis(consumer.sign_off, self.link.r, self.id)
         self.metrics.close()
         self.link.r.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def run_worker(model: str | None = None, *, queue: str | None = None, stop_event: threading.Event | None = None,
