@@ -37,7 +37,7 @@ import redis  # noqa: E402
 from jobs import keys  # noqa: E402
 from jobs.schemas import Result  # noqa: E402
 from jobs.server import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
-from jobs.store import cancel_batch, dead_letters, get_batch  # noqa: E402
+from jobs.store import cancel_batch, dead_letters, get_batch, pending_under  # noqa: E402
 from jobs.submit import submit  # noqa: E402
 
 QUEUE = "chaos"
@@ -105,15 +105,6 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     raise Broken(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def held(r: redis.Redis, batch_id: str, consumer: str) -> int:
-    total = 0
-    for p in (r.hget(keys.meta(batch_id), "priorities") or "").split(","):
-        if p:
-            for c in r.xpending(keys.jobs(batch_id, int(p)), keys.GROUP)["consumers"]:
-                total += int(c["pending"]) if c["name"] == consumer else 0
-    return total
-
-
 def check(r: redis.Redis, batch_id: str, total: int, status: str) -> dict[str, int]:
     """Exactly one outcome per job, counters equal to the results stream, nothing pending."""
     results = [Result.model_validate_json(f["r"]) for _, f in r.xrange(keys.results(batch_id))]
@@ -151,7 +142,7 @@ def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None
     def busy_worker() -> str:
         wids = list(workers.procs)
         rng.shuffle(wids)
-        return wait_for(lambda: next((w for w in wids if held(r, b.id, w) > 0), None), args.timeout, "a busy worker")
+        return wait_for(lambda: next((w for w in wids if pending_under(r, b.id, w) > 0), None), args.timeout, "a busy worker")
 
     def kill() -> None:
         wid = busy_worker()
@@ -169,7 +160,7 @@ def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None
             kill()
         elif ev == "cancel":
             victim = submit(lines(args.jobs // 10, rng, (64, 256), "v"), r=r, model=QUEUE, priority=5)
-            wait_for(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(held(r, v, w) for w in workers.procs) > 0,
+            wait_for(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(pending_under(r, v, w) for w in workers.procs) > 0,
                      args.timeout, "the other batch under way")
             cancel_batch(r, victim.id)
             events.append(f"{time.monotonic() - t0:.1f}s cancelled {victim.id} ({args.jobs // 10} jobs)")

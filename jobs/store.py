@@ -264,6 +264,15 @@ def queue_depth(r: redis.Redis, queue: str) -> int:
     return depth
 
 
+def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:
+    """Jobs of a batch delivered to ``consumer`` and not yet acknowledged: what Redis says it holds."""
+    total = 0
+    for p in priorities(r, batch_id):
+        for c in r.xpending(keys.jobs(batch_id, p), keys.GROUP)["consumers"]:
+            total += int(c["pending"]) if c["name"] == consumer else 0
+    return total
+
+
 def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
     """What each live worker last said in its heartbeat."""
     names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))

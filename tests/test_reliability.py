@@ -39,6 +39,15 @@ def final(r: redis.Redis, batch_id: str) -> bool:
     return b is not None and b.is_final
 
 
+def run_to_end(r: redis.Redis, batch_id: str, llm: Any, timeout: float = 60) -> None:
+    """A worker in a thread until the batch is final."""
+    w = ThreadWorker(llm)
+    try:
+        wait_for(lambda: final(r, batch_id), timeout, f"batch {batch_id} to finish")
+    finally:
+        w.join()
+
+
 def pending(r: redis.Redis, batch_id: str) -> int:
     prios = [int(p) for p in (r.hget(keys.meta(batch_id), "priorities") or "").split(",") if p]
     return sum(r.xpending(keys.jobs(batch_id, p), keys.GROUP)["pending"] for p in prios)
@@ -150,11 +159,7 @@ def test_a_sick_engine_hands_its_jobs_back_and_exits(r: redis.Redis, tiny_model_
     assert sick.error is not None and "probe" in str(sick.error)
     assert dead_letters(r, b.id) == [] and r.hlen(keys.done(b.id)) == 0
     assert pending(r, b.id) == 0 and queue_depth(r, "tiny") == n
-    healthy = ThreadWorker(tiny(tiny_model_dir))
-    try:
-        wait_for(lambda: final(r, b.id), 60, "a healthy worker to finish the batch")
-    finally:
-        healthy.join()
+    run_to_end(r, b.id, tiny(tiny_model_dir))  # a healthy worker
     entries = assert_exactly_once(r, b.id, n)
     assert all(e["status"] == "completed" for e in entries)
 
@@ -187,11 +192,7 @@ def test_a_stop_token_outside_the_vocabulary_fails_only_its_job(r: redis.Redis, 
     lines.append(json.dumps({"custom_id": "bad", "prompt": "a b", "max_tokens": 4, "min_tokens": 2,
                              "stop_token_ids": [10**6]}))
     b = submit(lines, r=r, model="tiny")
-    w = ThreadWorker(tiny(tiny_model_dir))
-    try:
-        wait_for(lambda: final(r, b.id), 60, "the batch to finish")
-    finally:
-        w.join()
+    run_to_end(r, b.id, tiny(tiny_model_dir))
     entries = {e["custom_id"]: e for e in assert_exactly_once(r, b.id, 7)}
     assert entries["bad"]["status"] == "failed" and entries["bad"]["error"]["code"] == "invalid_request"
     assert "stop_token_ids" in entries["bad"]["error"]["message"]
@@ -284,11 +285,7 @@ def test_an_unreadable_job_entry_fails_with_a_reason(r: redis.Redis, tiny_model_
     r.hset(keys.meta(sub.bid), "total", 3)
     sub.total = 3
     sub.finalize()
-    w = ThreadWorker(tiny(tiny_model_dir))
-    try:
-        wait_for(lambda: final(r, sub.bid), 30, "the batch to finish")
-    finally:
-        w.join()
+    run_to_end(r, sub.bid, tiny(tiny_model_dir))
     entries = {e["idx"]: e for e in assert_exactly_once(r, sub.bid, 3)}
     assert entries[2]["status"] == "failed" and entries[2]["error"]["code"] == "unreadable_job"
     assert [e["status"] for i, e in sorted(entries.items()) if i < 2] == ["completed", "completed"]
