@@ -110,17 +110,19 @@ def mark_ready(pipe: Any, queue: str, stream: str, score: float) -> None:
 
 
 def restore_ready(r: redis.Redis, queue: str, batch_id: str, priorities: list[int], created_at: float) -> int:
-    """Put back in the ready set the streams of an open batch that may hold undelivered jobs (their
-    ZADD was refused while Redis was full, or lost with the last second of AOF). Housekeeping runs it;
-    a stream put back needlessly costs a reader one empty read. Returns the streams put back."""
+    """Put back in the ready set the streams of an open batch that hold undelivered jobs (their ZADD
+    was refused while Redis was full, or lost with the last second of AOF). Housekeeping runs it.
+    Acknowledged entries are deleted, so a stream longer than its pending list has undelivered ones."""
     streams = [keys.jobs(batch_id, p) for p in priorities]
     pipe = r.pipeline(transaction=False)
     for s in streams:
-        pipe.xinfo_groups(s)
+        pipe.xlen(s)
+        pipe.xpending(s, keys.GROUP)
+    got = pipe.execute(raise_on_error=False)
     back = {}
-    for p, s, groups in zip(priorities, streams, pipe.execute(raise_on_error=False), strict=True):
-        lag = next((g.get("lag") for g in groups if g["name"] == keys.GROUP), 0) if isinstance(groups, list) else 0
-        if lag is None or lag > 0:  # None: Redis cannot tell (entries were deleted)
+    for i, (p, s) in enumerate(zip(priorities, streams, strict=True)):
+        length, summary = got[2 * i], got[2 * i + 1]
+        if isinstance(length, int) and isinstance(summary, dict) and length > int(summary.get("pending") or 0):
             back[s] = keys.stream_score(p, created_at)
     return r.zadd(keys.ready_streams(queue), back, nx=True) if back else 0
 

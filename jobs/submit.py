@@ -34,6 +34,7 @@ from jobs.store import delete_batch, get_batch, retire_batch, served_queues
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
+FLUSH_EVERY = 30.0  # seconds a slow producer's lines wait at most: each flush also shows housekeeping we live
 
 
 class JobServerFull(redis.ResponseError):
@@ -68,7 +69,8 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
         for line_no, text in enumerate(lines, 1):
             if text.strip():
                 sub.add(line_no, text)
-            if sub.pending >= chunk and not sub.flush():
+            due = sub.pending >= chunk or (sub.pending and time.time() - sub.flushed_at > FLUSH_EVERY)
+            if due and not sub.flush():
                 break  # cancelled while validating
         sub.flush()
         sub.wait()
@@ -129,6 +131,7 @@ class _Submission:
         self.deadlines: dict[str, float] = {}
         self.errors: list[str] = []
         self.endpoint: str | None = None
+        self.flushed_at = self.now
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
                on_complete: dict[str, Any] | None = None) -> None:
@@ -203,7 +206,8 @@ class _Submission:
             p.zadd(keys.deadlines(bid), self.deadlines)
         if self.errors:
             p.rpush(keys.line_errors(bid), *self.errors)
-        meta = {"total": self.total, "invalid": self.invalid, "touched_at": time.time()}
+        self.flushed_at = time.time()
+        meta = {"total": self.total, "invalid": self.invalid, "touched_at": self.flushed_at}
         if self.new_streams:
             meta["priorities"] = ",".join(str(x) for x in self.streams)
         p.hset(keys.meta(bid), mapping=meta)

@@ -71,6 +71,20 @@ def test_more_streams_than_a_read_looks_at_all_get_delivered(r: redis.Redis, tin
     assert queue_depth(r, "tiny") == 0
 
 
+def test_housekeeping_puts_back_a_stream_whose_ready_mark_was_lost(r: redis.Redis) -> None:
+    """A ZADD to the ready set refused (Redis full) or lost with the last second of AOF: housekeeping
+    puts the stream back while it holds undelivered jobs, and only then."""
+    b = submit([json.dumps({"prompt": f"p{i}"}) for i in range(3)], r=r, model="q")
+    stream = keys.jobs(b.id, 0)
+    r.zrem(keys.ready_streams("q"), stream)
+    housekeep(r)
+    assert r.zscore(keys.ready_streams("q"), stream) is not None
+    r.xreadgroup(keys.GROUP, "w", {stream: ">"}, count=3)  # all delivered: nothing left to read
+    r.zrem(keys.ready_streams("q"), stream)
+    housekeep(r)
+    assert r.zscore(keys.ready_streams("q"), stream) is None
+
+
 # ---- 2. batches that stayed "validating" forever ---------------------------------------------------
 def test_non_finite_and_out_of_range_numbers_are_bad_lines(r: redis.Redis) -> None:
     lines = ['{"prompt": "x", "deadline": NaN}', '{"prompt": "x", "priority": 1e300}',
