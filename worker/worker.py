@@ -390,7 +390,7 @@ class Worker:
         self.by_rid.clear()  # no aborts: the engine is not to be trusted with anything more
         self.stop_event.set()
         self._begin_drain(time.monotonic())
-        self.drain_deadline = 0.0
+        self.drain_deadline = time.monotonic()  # hand back at once; results already made still get written
 
     def _attempt_failed(self, h: Held, e: BaseException) -> None:
         """This job made a working engine fail: retry it alone, or dead-letter it after max_deliveries."""
