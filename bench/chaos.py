@@ -76,6 +76,12 @@ class Workers:
         out = open(self.logs / f"{wid}.log", "ab")  # noqa: SIM115 - the child owns it
         self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
 
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
     def stop(self) -> dict[str, int | None]:
         wait_for(lambda: all(self.up(w) for w in self.procs), 300, "every worker up before stopping them")
         for p in self.procs.values():
@@ -130,6 +136,15 @@ def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None
     r = connect()
     b = submit(lines(args.jobs, rng, (args.min_tokens, args.max_tokens), "j"), r=r, model=QUEUE)
     workers = Workers(args.model, args.workers, home, args.max_num_seqs)
+    try:
+        _run(args, r, b, workers, summary)
+    finally:
+        workers.kill()  # whatever is still running after a broken promise
+
+
+def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, summary: dict[str, Any]) -> None:
+    home = workers.logs
+    rng = random.Random(args.seed + 1)
     events: list[str] = summary.setdefault("events", [])
     t0 = time.monotonic()
 
