@@ -8,6 +8,7 @@ Limits (``api.settings``): upload size, requests per batch file, prompt characte
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +27,7 @@ from api.state import AppState, State, require_key
 from jobs.store import list_workers
 
 UPLOAD_SLACK = 64 * 1024  # multipart framing around the file's bytes
+FILE_SWEEP_EVERY = 60.0  # seconds between deletions of expired files
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -33,7 +35,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep_files(state))
         yield
+        sweeper.cancel()
         state.close()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan,
@@ -54,6 +58,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UploadLimit, max_bytes=state.settings.max_upload_bytes + UPLOAD_SLACK)
     app.openapi = _openapi_with_400(app)  # type: ignore[method-assign]
     return app
+
+
+async def _sweep_files(state: AppState) -> None:
+    """Housekeeping for the files on disk: expired uploads and batch output files are deleted."""
+    while True:
+        try:
+            await run_in_threadpool(state.files.delete_expired)
+        except OSError:
+            pass  # a full or vanished disk: the next sweep tries again
+        await asyncio.sleep(FILE_SWEEP_EVERY)
 
 
 def list_models(state: State) -> dict[str, Any]:

@@ -25,12 +25,14 @@ from typing import IO, Any
 
 import redis
 
+from jobs.housekeeping import RESULTS_TTL
 from jobs.schemas import Batch, line_error_to_output_line, result_to_output_line
 from jobs.store import get_batch, get_line_errors, read_results
 
 _UPLOAD_ID = re.compile(r"^file-[0-9a-f]{24}$")
 OUTPUT_PREFIX, ERRORS_PREFIX = "file-output-", "file-errors-"
 COPY_CHUNK = 1 << 20
+UPLOAD_TTL = 30 * 24 * 3600  # seconds an upload lives without expires_after (as OpenAI's batch files)
 
 
 class TooLarge(Exception):
@@ -85,10 +87,11 @@ class FileStore:
                 out.write(chunk)
         return tmp
 
-    def add(self, tmp: Path, filename: str, purpose: str, info: dict[str, Any]) -> StoredFile:
+    def add(self, tmp: Path, filename: str, purpose: str, info: dict[str, Any], ttl: float = UPLOAD_TTL) -> StoredFile:
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        meta = {"id": file_id, "object": "file", "bytes": tmp.stat().st_size, "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
+        now = int(time.time())
+        meta = {"id": file_id, "object": "file", "bytes": tmp.stat().st_size, "created_at": now,
+                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": int(now + ttl),
                 "status_details": None, "sluice": info}
         path = self.root / f"{file_id}.jsonl"
         tmp.replace(path)
@@ -96,13 +99,35 @@ class FileStore:
         return StoredFile(meta, path)
 
     def get_upload(self, file_id: str) -> StoredFile | None:
+        """An uploaded file; None once it expired (its bytes are deleted then)."""
         if not _UPLOAD_ID.match(file_id):
             return None
         try:
             meta = json.loads((self.root / f"{file_id}.json").read_text())
         except (OSError, ValueError):
             return None
+        if _expired(meta):
+            self.delete_upload(file_id, meta)
+            return None
         return StoredFile(meta, self.root / f"{file_id}.jsonl")
+
+    def delete_expired(self) -> int:
+        """Housekeeping: delete every upload and rendered batch file past its expires_at; returns how many."""
+        n = 0
+        if not self.root.is_dir():
+            return 0
+        for p in self.root.glob("file-*.json"):
+            n += self.get_upload(p.stem) is None and not p.exists()
+        for p in (self.root / "batches").glob("*.expires"):
+            try:
+                expired = float(p.read_text()) <= time.time()
+            except (OSError, ValueError):
+                continue
+            if expired:
+                p.with_suffix(".jsonl").unlink(missing_ok=True)
+                p.unlink(missing_ok=True)
+                n += 1
+        return n
 
     def list_uploads(self) -> list[StoredFile]:
         """Newest first."""
@@ -111,12 +136,11 @@ class FileStore:
         files = [self.get_upload(p.stem) for p in self.root.glob("file-*.json")]
         return sorted((f for f in files if f is not None), key=lambda f: (-f.meta["created_at"], f.meta["id"]))
 
-    def delete_upload(self, file_id: str) -> bool:
-        f = self.get_upload(file_id)
-        if f is None:
+    def delete_upload(self, file_id: str, meta: dict[str, Any] | None = None) -> bool:
+        if meta is None and self.get_upload(file_id) is None:
             return False
         (self.root / f"{file_id}.json").unlink(missing_ok=True)
-        f.path.unlink(missing_ok=True)
+        (self.root / f"{file_id}.jsonl").unlink(missing_ok=True)
         return True
 
     # ---- a batch's output and error files --------------------------------------------------------
@@ -133,21 +157,25 @@ class FileStore:
         if batch is None or file_id != (error_file_id(batch) if errors else output_file_id(batch)):
             return None
         path = self._batch_path(file_id)
+        created = int(batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
+                      or batch.created_at)
+        expires_at = int(created + (batch.output_expires_after or RESULTS_TTL))
+        if expires_at <= time.time():
+            path.unlink(missing_ok=True)
+            return None
         if not path.exists():
-            self._render(r, batch)
+            self._render(r, batch, expires_at)
         kind = "errors" if errors else "output"
-        meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size,
-                "created_at": int(batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
-                                  or batch.created_at),
+        meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": created,
                 "filename": f"{bid}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": expires_at, "status_details": None}
         return StoredFile(meta, path)
 
     def _batch_path(self, file_id: str) -> Path:
         # Hashed: a batch id may hold characters a file name should not.
         return self.root / "batches" / f"{hashlib.sha256(file_id.encode()).hexdigest()[:32]}.jsonl"
 
-    def _render(self, r: redis.Redis, batch: Batch) -> None:
+    def _render(self, r: redis.Redis, batch: Batch, expires_at: int) -> None:
         """Both files of a final batch in one pass over its results (written aside, then renamed)."""
         out_path, err_path = self._batch_path(OUTPUT_PREFIX + batch.id), self._batch_path(ERRORS_PREFIX + batch.id)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +189,12 @@ class FileStore:
                 (out if res.status == "completed" else err).write(line)
         os.replace(out_tmp, out_path)
         os.replace(err_tmp, err_path)
+        for p in (out_path, err_path):  # what housekeeping reads to delete them in time
+            _write_atomic(p.with_suffix(".expires"), str(expires_at).encode())
+
+
+def _expired(meta: dict[str, Any]) -> bool:
+    return meta.get("expires_at") is not None and meta["expires_at"] <= time.time()
 
 
 def _all_results(r: redis.Redis, batch_id: str) -> Iterator[Any]:

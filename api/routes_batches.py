@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import ApiError, not_found
 from api.filestore import error_file_id, output_file_id
 from api.state import Redis, State
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, result_to_output_line
-from jobs.store import cancel_batch, get_batch, list_batches, read_results
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo, result_to_output_line
+from jobs.store import cancel_batch, get_batch, list_batches, read_results, set_batch_options
 from jobs.submit import UnknownModel, resolve_model, submit
 
 router = APIRouter(tags=["batches"])
@@ -24,14 +24,22 @@ _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's ``expires_after``: seconds after the file's creation (1 hour to 30 days)."""
+
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(ge=3600, le=30 * 24 * 3600)
+
+
 class BatchCreate(BaseModel):
-    # Other fields OpenAI takes (output_expires_after, ...) are accepted and change nothing.
+    # Other fields OpenAI takes are accepted and change nothing.
     model_config = ConfigDict(extra="allow")
 
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None  # of the batch's output and error files
 
 
 def batch_object(batch: Batch) -> dict[str, Any]:
@@ -75,11 +83,15 @@ def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
         raise ApiError(400, str(e), code="model_not_found", param="model") from None
     try:
         # newline="\n": lines split as the upload check split them, whatever stray \r they hold.
-        with f.path.open(encoding="utf-8", newline="\n") as src:
+        with f.path.open(encoding="utf-8", errors="replace", newline="\n") as src:
             batch = submit(src, r=r, model=queue, completion_window=window, metadata=body.metadata,
-                           input_name=body.input_file_id, endpoint=body.endpoint)
+                           input_name=body.input_file_id, endpoint=body.endpoint,
+                           line_errors=[LineErrorInfo(**e) for e in f.info.get("bad_lines", ())])
     except OSError:
         raise not_found("file", body.input_file_id) from None
+    expires = body.output_expires_after.seconds if body.output_expires_after is not None else None
+    set_batch_options(r, batch.id, body.completion_window, expires)
+    batch = batch.model_copy(update={"completion_window": body.completion_window, "output_expires_after": expires})
     return batch_object(batch)
 
 

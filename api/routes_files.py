@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, not_found
-from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, TooLarge
+from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, TooLarge
 from api.state import Redis, State
 from api.validation import bounded_lines, max_line_bytes, scan_lines
 
@@ -18,15 +18,20 @@ JSONL = "application/jsonl"
 
 
 @router.post("/v1/files", summary="Upload a batch input file (JSONL, purpose=batch)")
-async def upload_file(state: State, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+async def upload_file(state: State, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                      anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+                      seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None) -> dict[str, Any]:
     if purpose != "batch":
         raise ApiError(400, f"purpose {purpose!r} is not supported; only 'batch' is", code="unsupported_purpose",
                        param="purpose")
+    if anchor not in (None, "created_at") or (seconds is not None and not 3600 <= seconds <= 30 * 24 * 3600):
+        raise ApiError(400, "expires_after needs anchor 'created_at' and seconds between 3600 and 2592000",
+                       code="invalid_expires_after", param="expires_after")
     # Copying and checking every line is blocking work: off the event loop.
-    return await run_in_threadpool(_store_upload, state, file, purpose)
+    return await run_in_threadpool(_store_upload, state, file, purpose, seconds or UPLOAD_TTL)
 
 
-def _store_upload(state: State, file: UploadFile, purpose: str) -> dict[str, Any]:
+def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> dict[str, Any]:
     s = state.settings
     try:
         tmp = state.files.receive(file.file, s.max_upload_bytes)
@@ -39,14 +44,18 @@ def _store_upload(state: State, file: UploadFile, purpose: str) -> dict[str, Any
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    info = {"lines": scan.lines, "model": scan.model, "endpoint": scan.endpoint}
-    return state.files.add(tmp, file.filename or "input.jsonl", purpose, info).public()
+    info = {"lines": scan.lines, "model": scan.model, "endpoint": scan.endpoint,
+            "bad_lines": [e.model_dump() for e in scan.errors]}
+    return state.files.add(tmp, file.filename or "input.jsonl", purpose, info, ttl).public()
 
 
-@router.get("/v1/files", summary="List uploaded files, newest first")
+@router.get("/v1/files", summary="List uploaded files (newest first unless order=asc)")
 def list_files(state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, after: str | None = None,
-               purpose: str | None = None) -> dict[str, Any]:
+               purpose: str | None = None, order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+    state.files.delete_expired()
     files = [f for f in state.files.list_uploads() if purpose is None or f.meta["purpose"] == purpose]
+    if order == "asc":
+        files.reverse()
     if after is not None:
         ids = [f.meta["id"] for f in files]
         if after not in ids:

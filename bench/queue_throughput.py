@@ -15,6 +15,13 @@ other's cache. Throughput: output tokens / wall time (queue: worker start to the
 Batch occupancy: running sequences / sequences the KV cache can hold at once, averaged over the
 steady state (the steps while at least that many requests were still unfinished). Targets: queue >= 95%
 of in-process throughput, occupancy >= 90%. Writes JSON to bench/out/.
+
+The worker loop runs in the main thread, as `sluice worker` runs it; --worker-thread runs it from a
+second thread instead (how this benchmark used to run it). Each path reports its stepping thread,
+torch's intra-op thread count there, and voluntary context switches per step: a second thread gets a
+second OpenMP team, GNU OpenMP then parks idle threads instead of spinning, and the switches per step
+jump (about 60 -> 780 measured on a busy 2-core machine, where that arrangement ran faster; issue 10
+measured it at 76% of in-process on a quiet one). The main-thread arrangement compares like with like.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import statistics
 import tempfile
 import threading
@@ -79,6 +87,8 @@ def bench_submit(n: int, repeats: int, redis_url: str | None) -> dict[str, Any]:
 # ---- end to end --------------------------------------------------------------------------------------
 def occupancy_engine(engine_kwargs: dict[str, Any], model: str | None, total: int) -> Any:
     """An LLM that notes, per step, the running sequences and how many requests are still unfinished."""
+    import torch
+
     from engine.llm import LLM
 
     class Observed(LLM):
@@ -87,11 +97,16 @@ def occupancy_engine(engine_kwargs: dict[str, Any], model: str | None, total: in
             self.samples: list[tuple[int, int]] = []  # (running during the step, unfinished before it)
             self.remaining = total
             self.step_time = 0.0  # seconds inside step(): the rest of the wall time is overhead
+            self.switches = 0  # voluntary context switches (all threads) during steps
+            self.stepper = ""  # the stepping thread and its torch intra-op thread count
 
         def step(self) -> Any:
+            self.stepper = f"{threading.current_thread().name}, torch threads {torch.get_num_threads()}"
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
             t = time.perf_counter()
             out = super().step()
             self.step_time += time.perf_counter() - t
+            self.switches += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
             # Those still running plus those that finished in this step (n = 1 here).
             self.samples.append((self.num_running + len(out), self.remaining))
             self.remaining -= len(out)
@@ -124,7 +139,8 @@ def bench_in_process(llm: Any, prompts: list[str], max_tokens: int) -> dict[str,
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": len(llm.samples)}
 
 
-def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | None) -> dict[str, Any]:
+def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | None,
+                worker_thread: bool = False) -> dict[str, Any]:
     from jobs.server import connect, ensure_server, stop_server
     from jobs.store import get_batch
     from jobs.submit import submit
@@ -139,13 +155,22 @@ def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | 
         batch = submit(chat_lines(prompts, max_tokens), r=r, model="bench-e2e")
         stop = threading.Event()
         worker = Worker(llm, WorkerOptions(queue="bench-e2e", redis_url=redis_url, worker_id="bench"), stop)
+        final: list[Any] = []
+        watcher = threading.Thread(target=_watch, args=(r, batch.id, stop, final), daemon=True)
         t0 = time.time()
-        thread = threading.Thread(target=worker.run)
-        thread.start()
-        while not (b := get_batch(r, batch.id)).is_final:
-            time.sleep(0.05)
-        stop.set()
-        thread.join()
+        watcher.start()
+        # The worker loop runs in this, the main thread, as `sluice worker` runs it. Run from a second
+        # thread, its torch ops got an OpenMP team of their own beside the main thread's, and GNU OpenMP,
+        # seeing more threads than cores, then parks its threads between parallel regions instead of
+        # spinning: a futex sleep and wake-up per region (see threads_and_switches), slower steps.
+        if worker_thread:  # the old arrangement, kept to show the difference
+            side = threading.Thread(target=worker.run, name="worker")
+            side.start()
+            side.join()
+        else:
+            worker.run()
+        watcher.join()
+        b = final[0] if final else get_batch(r, batch.id)
         wall = (b.completed_at or time.time()) - t0
         tokens = worker.report.tokens
         return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": len(llm.samples),
@@ -153,6 +178,16 @@ def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | 
     finally:
         if home is not None:
             stop_server(home)
+
+
+def _watch(r: Any, batch_id: str, stop: threading.Event, final: list[Any]) -> None:
+    """Stop the worker once the batch is final (polled rarely: this thread competes for the 2 cores)."""
+    from jobs.store import get_batch
+
+    while not (b := get_batch(r, batch_id)).is_final:
+        time.sleep(0.2)
+    final.append(b)
+    stop.set()
 
 
 def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,17 +204,21 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         llm.samples.clear()
         llm.remaining = len(prompts)
         llm.step_time = 0.0
+        llm.switches = 0
         print(f"  {name} ...", flush=True)
         res = bench_in_process(llm, prompts, args.max_tokens) if name == "in_process" else \
-            bench_queue(llm, prompts, args.max_tokens, args.redis_url)
+            bench_queue(llm, prompts, args.max_tokens, args.redis_url, args.worker_thread)
         prompt_len = statistics.mean(len(llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
             for p in prompts[:64])
         cap = capacity(llm, int(prompt_len), args.max_tokens)
+        steps = max(len(llm.samples), 1)
         res.update(capacity=cap, occupancy=steady_occupancy(llm.samples, cap), engine_s=llm.step_time,
-                   outside_engine=1 - llm.step_time / res["wall_s"])
+                   outside_engine=1 - llm.step_time / res["wall_s"], ms_per_step=1000 * llm.step_time / steps,
+                   switches_per_step=llm.switches / steps, stepper=llm.stepper)
         print(f"    {res['tokens_per_s']:.1f} tok/s, occupancy {res['occupancy']:.1%} of {cap} sequences, "
-              f"{res['outside_engine']:.1%} of the wall time outside engine steps")
+              f"{res['outside_engine']:.1%} of the wall time outside engine steps; {res['ms_per_step']:.1f} ms and "
+              f"{res['switches_per_step']:.0f} voluntary context switches per step ({llm.stepper})")
         if name not in results or res["tokens_per_s"] > results[name]["tokens_per_s"]:
             results[name] = res
     results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]
@@ -205,6 +244,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     p.add_argument("--rounds", type=int, default=2, help="alternating runs of each system; the best counts")
+    p.add_argument("--worker-thread", action="store_true",
+                   help="run the worker loop in a second thread (the old arrangement) instead of the main thread")
     p.add_argument("--skip-submit", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     args = p.parse_args()

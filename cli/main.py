@@ -5,7 +5,7 @@ Exit codes:
   0    success
   1    a user error: bad file, unknown batch id, unknown model, bad option value (one line, no traceback)
   2    click's own usage errors (unknown option, missing argument)
-  3    some requests failed or input lines were bad (their error lines are in the output or errors file)
+  3    some requests failed or input lines were bad (their error lines are in the errors file)
   4    the job server (SLUICE_REDIS_URL, or the embedded one of SLUICE_HOME) is unreachable
   130  interrupted (Ctrl-C); a batch being waited on or followed runs on
 
@@ -40,6 +40,8 @@ def cli(verbose: bool) -> None:
 @click.argument("input_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Results, one OpenAI batch output line per request, written as each finishes.")
+@click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix].")
 @with_engine_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for lines that set none.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature (0 = greedy).")
@@ -47,24 +49,26 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=None, help="Default seed.")
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def generate(input_file: Path, output_file: Path, model: str | None, dtype: str, max_num_seqs: int,
-             max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, max_tokens: int | None,
+def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str, max_num_seqs: int,
+             max_num_batched_tokens: int, kv_cache_memory: str | None, policy: str, enforce_eager: bool,
+             max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
-    """Run INPUT_FILE (JSONL) through the engine in-process, no queue, writing results to OUTPUT.
+    """Run INPUT_FILE (JSONL) through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
     """
+    from cli.output import default_errors_path
     from jobs.schemas import SamplingParams
     from worker.local import generate_file
 
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     defaults = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy)
+    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager)
     t0 = time.time()
     try:
-        s = generate_file(input_file, output_file, model=model, engine_kwargs=kwargs, defaults=defaults,
-                          resume=resume, progress=not no_progress)
+        s = generate_file(input_file, output_file, errors_file or default_errors_path(output_file), model=model,
+                          engine_kwargs=kwargs, defaults=defaults, resume=resume, progress=not no_progress)
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None
     dt = time.time() - t0

@@ -19,6 +19,8 @@ engine_options = [
                  "(default: 4GiB on CPU; on CUDA what is left of 90% of memory)."),
     click.option("--policy", type=click.Choice(["continuous", "static"]), default="continuous", show_default=True,
                  help="static (a cohort at a time) exists as the benchmark baseline."),
+    click.option("--enforce-eager", is_flag=True,
+                 help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."),
 ]
 
 
@@ -42,6 +44,6 @@ def parse_bytes(text: str | None) -> int | None:
 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str | None,
-                  policy: str) -> dict[str, Any]:
+                  policy: str, enforce_eager: bool = False) -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy)
+                kv_cache_memory=parse_bytes(kv_cache_memory), policy=policy, enforce_eager=enforce_eager)

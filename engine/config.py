@@ -22,6 +22,10 @@ class EngineConfig:
     policy: str = "continuous"  # "static" exists only as the benchmark baseline
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | cpu (C++ op) | torch (PyTorch fallback) | triton
+    enforce_eager: bool = False  # CUDA: no graph capture of decode steps
+    # Pad decode-only steps to a few batch sizes (engine/graph_runner.py). None = where graphs are
+    # captured (CUDA, Triton, not enforce_eager); True elsewhere runs them padded but eager (tests).
+    pad_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

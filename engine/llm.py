@@ -14,6 +14,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuidedDecoding, advance_guide
 from engine.loader import dense_path, load_hf_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import build_model
@@ -57,6 +58,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)
+        self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.requests: dict[str, _RequestState] = {}
         self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
@@ -105,10 +107,12 @@ class LLM:
         try:
             prompt_ids = self._prompt_ids(request)
             self._check_fits(request, prompt_ids)
+            grammar = self.guided.compile(request.params)
         except ValueError as e:
             self._rejected.append(_error_completion(request, str(e), arrival))
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
+        self.guided.attach(seqs, grammar)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -156,29 +160,35 @@ class LLM:
             order.append(r.request_id)
         results: dict[str, Completion] = {}
         bar = _progress_bar(len(order)) if progress else None
-        tokens, t0 = 0, time.time()
+        finished_tokens = 0
         while self.has_unfinished():
-            for c in self.step():
+            done = self.step()
+            for c in done:
                 results[c.request_id] = c
-                tokens += c.usage.completion_tokens
+                finished_tokens += c.usage.completion_tokens
                 if on_finish is not None:
                     on_finish(c)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tokens / max(time.time() - t0, 1e-9):.0f} tok/s")
+            if bar is not None:
+                bar.advance(len(done))
+                if bar.due():
+                    bar.show_rate(finished_tokens + self._tokens_in_flight())
         if bar is not None:
+            bar.show_rate(finished_tokens)
             bar.close()
         return [results[rid] for rid in order]
 
     # ---- internals ------------------------------------------------------------------------------
+    def _tokens_in_flight(self) -> int:
+        return sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
+
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -211,7 +221,8 @@ class LLM:
                        arrival_time=arrival)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.seed is not None:
-            seq.generator = torch.Generator().manual_seed(p.seed + index)
+            # On the logits' device: the sampler draws there, and a generator serves one device.
+            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
         if p.min_tokens:
@@ -232,6 +243,8 @@ class LLM:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        else:
+            reason = advance_guide(seq, token)  # "stop" once a structured output is complete
         if reason is not None:
             self._finish(seq, reason)
 
@@ -318,8 +331,32 @@ def _generation_eos(model: str | None) -> Any:
         return None
 
 
-def _progress_bar(total: int) -> Any:
-    from tqdm import tqdm
+class _Progress:
+    """generate's bar: requests done, and tokens/s over every token sampled so far. Counting only
+    finished requests' tokens would read near zero for most of a big batch, whose requests all finish
+    late. The in-flight count sums over the requests in flight, so it is taken every ``interval`` s."""
 
-    return tqdm(total=total, unit="req", desc="generate")
+    def __init__(self, total: int, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
+        from tqdm import tqdm
 
+        self.bar = tqdm(total=total, unit="req", desc="generate", **tqdm_kwargs)
+        self.interval = interval
+        self.start = self.shown = time.monotonic()
+
+    def advance(self, finished: int) -> None:
+        if finished:
+            self.bar.update(finished)
+
+    def due(self) -> bool:
+        return time.monotonic() - self.shown >= self.interval
+
+    def show_rate(self, tokens: int) -> None:
+        self.shown = time.monotonic()
+        self.bar.set_postfix_str(f"{tokens / max(self.shown - self.start, 1e-9):.0f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(total: int) -> _Progress:
+    return _Progress(total)

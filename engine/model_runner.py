@@ -12,11 +12,15 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention, allocate_kv
 from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
+from engine.graph_runner import DecodeGraphRunner
+from engine.guided import apply_guided_masks
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.triton_attention import TritonAttention
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.backend = make_backend(config, device)
+        # On CUDA the Triton path also fuses RMSNorm + residual and rotary (fewer launches a layer).
+        model.use_fused_kernels(device.type == "cuda" and isinstance(self.backend, TritonAttention))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTableRows(config.max_num_seqs)
+        self.decode_runner: DecodeGraphRunner | None = None
+        self.graph_reserve_bytes = 0  # what KV sizing left for the decode graphs (CUDA)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -48,15 +56,38 @@ class ModelRunner:
         return self._cuda_free_after_warmup()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The engine's KV cache; decode graphs capture its addresses, so they are captured here."""
+        self._allocate(num_blocks)
+        if self._pad_decode():
+            self.decode_runner = self._decode_runner(num_blocks)
+            if self._capture_graphs():
+                self.decode_runner.capture()
+
+    def _allocate(self, num_blocks: int) -> None:
         m = self.model
         shape = (num_blocks, self.block_size, m.config.num_key_value_heads, m.head_dim)
         self.kv_caches = [(allocate_kv(*shape, self.dtype, self.device), allocate_kv(*shape, self.dtype, self.device))
                           for _ in m.layers]
         self.num_zeroed_blocks = 0
 
+    def _capture_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and getattr(self.backend, "supports_cuda_graphs", False))
+
+    def _pad_decode(self) -> bool:
+        return self.config.pad_decode if self.config.pad_decode is not None else self._capture_graphs()
+
+    def _decode_runner(self, num_blocks: int) -> DecodeGraphRunner:
+        max_blocks = min(-(-self.model.rotary.cos.shape[0] // self.block_size), num_blocks)
+        return DecodeGraphRunner(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
+                                 self.block_size, max_blocks, self.device)
+
     def zero_fresh_blocks(self, num_touched: int) -> None:
         """Zero blocks on first use rather than all at start-up (touching gigabytes takes seconds):
-        masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN."""
+        masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN. A backend
+        that never loads a slot before it is written (Triton's masked loads) skips this."""
+        if not getattr(self.backend, "reads_unwritten_slots", True):
+            return
         if num_touched > self.num_zeroed_blocks:
             for k, v in self.kv_caches:
                 k[self.num_zeroed_blocks : num_touched] = 0
@@ -64,30 +95,47 @@ class ModelRunner:
             self.num_zeroed_blocks = num_touched
 
     def _cuda_free_after_warmup(self) -> int:
-        """What is left of ``gpu_memory_utilization`` after a forward pass at the largest step."""
-        n = self.config.max_num_batched_tokens
-        blocks = -(-n // self.block_size)
-        self.allocate_kv_cache(blocks)
-        self.zero_fresh_blocks(blocks)
+        """What is left of ``gpu_memory_utilization`` after a forward pass at the largest step, less the
+        memory the decode graphs will hold."""
         torch.cuda.reset_peak_memory_stats()
-        seq_lens = torch.tensor([n], dtype=torch.int32)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=seq_lens.to(self.device),
-            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            max_query_len=n,
-            max_seq_len=n,
-        )
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta, self.backend)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        blocks = self.warmup_step()
         peak = torch.cuda.max_memory_allocated()
+        self.graph_reserve_bytes = self._graph_reserve(blocks) if self._capture_graphs() else 0
         self.kv_caches = []
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(int(total * self.config.gpu_memory_utilization) - peak, 0)
+        return max(int(total * self.config.gpu_memory_utilization) - peak - self.graph_reserve_bytes, 0)
+
+    @torch.inference_mode()
+    def warmup_step(self) -> int:
+        """Run the largest step the scheduler can make (``max_num_batched_tokens`` prompt tokens) into a
+        cache just big enough for it; returns that cache's block count. The tokens are cut into
+        sequences no longer than the rotary tables, which end at the model's length limit."""
+        bs = self.block_size
+        q_lens = warmup_query_lens(self.config.max_num_batched_tokens, self.model.rotary.cos.shape[0])
+        batch, blocks = ScheduledBatch(), 0
+        for i, n in enumerate(q_lens):
+            seq = Sequence(-1 - i, "warmup", 0, [0] * n, n, SamplingParams())
+            seq.block_table = list(range(blocks, blocks + -(-n // bs)))
+            blocks += len(seq.block_table)
+            batch.add(seq, n)
+        self._allocate(blocks)
+        self.zero_fresh_blocks(blocks)
+        input_ids, positions, meta, _, _ = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        return blocks
+
+    def _graph_reserve(self, num_blocks: int) -> int:
+        """Bytes to leave for the decode graphs' private memory pool: twice the peak of an eager decode
+        step at the largest bucket (the buckets share one pool; twice, for its fragmentation)."""
+        runner = self._decode_runner(num_blocks)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            runner.run_padding(runner.buckets[-1])
+        return 2 * (torch.cuda.max_memory_allocated() - base) + (16 << 20)
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -96,11 +144,16 @@ class ModelRunner:
         """Compute the batch's new tokens; return (sequence, sampled token, logprob) for each sequence
         whose prompt is now wholly computed, i.e. that produces a token this step."""
         self.zero_fresh_blocks(num_touched_blocks)
-        input_ids, positions, meta, last_rows, samplers = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        decoded = self.decode_runner.run(batch) if self.decode_runner is not None else None
+        if decoded is not None:  # a decode-only step, padded to its bucket (a graph replay on CUDA)
+            hidden, samplers = decoded
+        else:
+            input_ids, positions, meta, last_rows, samplers = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[last_rows]
         if not samplers:
             return []
-        logits = self.model.compute_logits(hidden[last_rows]).cpu()
+        logits = self.model.compute_logits(hidden)  # sampled where it lies: only token ids come back
+        apply_guided_masks(logits, samplers)  # structured output: masks the constrained rows in place
         out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers])
         return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
 
@@ -144,6 +197,12 @@ class ModelRunner:
         return input_ids, pos_t, meta, last_rows, [seqs[i] for i in sampling.tolist()]
 
 
+def warmup_query_lens(num_tokens: int, max_positions: int) -> list[int]:
+    """``num_tokens`` prompt tokens as chunks of at most ``max_positions`` (the rotary tables' rows)."""
+    full, rest = divmod(num_tokens, max_positions)
+    return [max_positions] * full + ([rest] if rest else [])
+
+
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
     """auto: the Triton kernels on CUDA; on CPU the C++ op, or PyTorch where it cannot be built."""
     name = config.attention_backend
@@ -157,8 +216,6 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
                 log.warning("C++ CPU attention unavailable (%s); using the PyTorch fallback", why)
                 name = "torch"
     if name == "triton":
-        from engine.triton_attention import TritonAttention
-
         return TritonAttention()
     if name == "cpu":
         from engine.cpu_attention import CpuPagedAttention

@@ -17,6 +17,7 @@ class Request:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    tools: list[dict[str, Any]] | None = None  # chat: function tools, passed to the chat template
 
 
 @dataclass
@@ -49,7 +50,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # stop | length | abort | error
+    finish_reason: str  # stop | length | abort | error (a structured output ends in "stop" once complete)
     logprobs: list[TokenLogprob] | None = None
 
 

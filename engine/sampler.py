@@ -1,9 +1,10 @@
-"""Turn each sequence's last-position logits into its next token.
+"""Turn each sequence's last-position logits into its next token, on the logits' own device.
 
 Greedy rows take the argmax. Sampled rows go through penalties, temperature and the top-k / top-p /
-min-p filters (vectorised over the batch), then an exponential race: argmax(p / E) with E ~ Exp(1)
-picks token i with probability p_i. A seeded request draws E from its own generator, so its text does
-not depend on what else shares the batch.
+min-p filters, then an exponential race: argmax(p / E) with E ~ Exp(1) picks token i with
+probability p_i. A seeded request draws E from its own generator, so its text does not depend on what
+else shares the batch. Every step is vectorised over the batch; the per-request settings travel to
+the device as one small tensor each, and only the chosen ids (and requested logprobs) come back.
 """
 
 from __future__ import annotations
@@ -23,35 +24,47 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]]) -> SamplerOutput:
-    """``logits`` [N, V] float32, one row per sequence; ``stop_ids`` are the ids min_tokens holds back."""
+    """``logits`` [N, V] float32 on any device, one row per sequence; ``stop_ids`` are the ids that
+    min_tokens holds back."""
     raw = logits
     logits = _apply_penalties(logits, seqs)
     logits = _hold_back_stops(logits, seqs, stop_ids)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        rows = torch.tensor(sampled)
+        rows = torch.tensor(sampled, device=logits.device)
         tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in sampled])
-    token_list = tokens.tolist()
-    return SamplerOutput(token_list, _logprobs(raw, seqs, token_list))
+    return _to_host(raw, seqs, tokens)
+
+
+def _row_values(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
+    """One sampling setting per row as a [N, 1] float32 column on ``device``."""
+    return torch.tensor([float(getattr(s.params, name)) for s in seqs], dtype=torch.float32, device=device)[:, None]
+
+
+def _scatter_ids(shape: torch.Size, rows: list[int], ids: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[N, V] float32 counts of ``ids[j]`` in row ``rows[j]``: one host-to-device copy for all rows."""
+    flat_rows = [r for r, row_ids in zip(rows, ids, strict=True) for _ in row_ids]
+    flat_ids = [t for row_ids in ids for t in row_ids]
+    index = torch.tensor([flat_rows, flat_ids], dtype=torch.long, device=device)
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    counts.index_put_((index[0], index[1]), torch.ones(len(flat_ids), device=device), accumulate=True)
+    return counts
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
     if not rows:
         return logits
-    logits = logits.clone()
-    for i in rows:  # few rows set penalties; each is a handful of vector ops
-        p, row = seqs[i].params, logits[i]
-        if p.repetition_penalty != 1.0:  # as in transformers: over prompt and output
-            seen = torch.tensor(sorted(set(seqs[i].token_ids)))
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        out = seqs[i].output_token_ids
-        if out and (p.presence_penalty or p.frequency_penalty):  # as in OpenAI: over output only
-            ids, counts = torch.tensor(out).unique(return_counts=True)
-            row[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
-    return logits
+    dev = logits.device
+    rep = _row_values(seqs, "repetition_penalty", dev)
+    # As in transformers: over prompt and output tokens, shrinking a logit towards zero either way.
+    seen = _scatter_ids(logits.shape, rows, [seqs[i].token_ids for i in rows], dev) > 0
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    # As in OpenAI: over output tokens only, once for presence and once per occurrence.
+    counts = _scatter_ids(logits.shape, rows, [seqs[i].output_token_ids for i in rows], dev)
+    presence, frequency = _row_values(seqs, "presence_penalty", dev), _row_values(seqs, "frequency_penalty", dev)
+    return torch.where(counts > 0, logits - (presence + frequency * counts), logits)
 
 
 def _has_penalty(seq: Sequence) -> bool:
@@ -63,47 +76,60 @@ def _hold_back_stops(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[
     rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens and stop_ids[i]]
     if not rows:
         return logits
-    logits = logits.clone()
-    for i in rows:
-        logits[i, sorted(stop_ids[i])] = float("-inf")
-    return logits
+    held = _scatter_ids(logits.shape, rows, [sorted(stop_ids[i]) for i in rows], logits.device) > 0
+    return logits.masked_fill(held, float("-inf"))
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = torch.tensor([s.params.temperature for s in seqs])[:, None]
-    probs = torch.softmax(logits / temps, dim=-1)
-    probs = _filter(probs, seqs)
+    temps = _row_values(seqs, "temperature", logits.device)
+    probs = _filter(torch.softmax(logits / temps, dim=-1), seqs)
+    return (probs / _exponential_noise(probs, seqs)).argmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs``: one draw for every unseeded row, then each seeded row from its
+    own generator (a generator lives on one device: the engine makes them on the logits' device)."""
     noise = torch.empty_like(probs)
-    for i, s in enumerate(seqs):
-        noise[i].exponential_(generator=s.generator)
-    return (probs / noise).argmax(dim=-1)
+    seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+    if len(seeded) < len(seqs):
+        noise.exponential_()  # seeded rows are overwritten below
+    for i in seeded:
+        noise[i].exponential_(generator=seqs[i].generator)
+    return noise
 
 
 def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    top_k = torch.tensor([s.params.top_k or probs.shape[1] for s in seqs])
-    top_p = torch.tensor([s.params.top_p for s in seqs])
-    min_p = torch.tensor([s.params.min_p for s in seqs])
-    if bool((top_k >= probs.shape[1]).all() and (top_p >= 1).all() and (min_p <= 0).all()):
-        return probs
+    vocab = probs.shape[1]
+    if all((s.params.top_k or vocab) >= vocab and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs):
+        return probs  # decided on the host: no device sync
+    dev = probs.device
+    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=dev)[:, None]
+    top_p, min_p = _row_values(seqs, "top_p", dev), _row_values(seqs, "min_p", dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1])[None, :]
+    rank = torch.arange(vocab, device=dev)[None, :]
     # Keep a token if it is within top_k, the mass before it is under top_p, and p >= min_p * p_max;
     # the most likely token always survives.
     before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop = (rank >= top_k[:, None]) | (before >= top_p[:, None]) | (sorted_p < min_p[:, None] * sorted_p[:, :1])
+    drop = (rank >= top_k) | (before >= top_p) | (sorted_p < min_p * sorted_p[:, :1])
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+def _to_host(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> SamplerOutput:
+    """Bring back the chosen ids and, for rows that asked, their logprob and the top-k: one copy each."""
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(seqs)
     if not want:
-        return out
-    lp = torch.log_softmax(logits[torch.tensor(want)], dim=-1)
+        return SamplerOutput(tokens.tolist(), [None] * len(seqs))
+    rows = torch.tensor(want, device=raw.device)
+    lp = torch.log_softmax(raw[rows], dim=-1)
+    chosen = lp.gather(1, tokens[rows][:, None])[:, 0]
+    k_max = max(seqs[i].params.logprobs or 0 for i in want)
+    top_v, top_i = lp.topk(k_max, dim=-1)
+    token_list = tokens.tolist()
+    chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    out: list[TokenLogprob | None] = [None] * len(seqs)
     for row, i in enumerate(want):
         k = seqs[i].params.logprobs or 0
-        top_v, top_i = lp[row].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-        out[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]), list(zip(top_i.tolist(), top_v.tolist(), strict=True)))
-    return out
+        out[i] = TokenLogprob(token_list[i], chosen_l[row], list(zip(top_i_l[row][:k], top_v_l[row][:k], strict=True)))
+    return SamplerOutput(token_list, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -22,10 +23,23 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # samples sharing the prompt's KV blocks
     logprobs: int | None = None  # top-k logprobs per generated token
+    # Structured output (engine/guided.py), at most one of the five; vLLM's names.
+    guided_json: str | None = None  # a JSON schema, serialized (a dict is serialized here)
+    guided_json_object: bool = False  # any JSON object (response_format json_object)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF (GBNF, with ::=) or Lark
+    # Literal text around the constrained part (a tool call's <tool_call> tags); only with one of the above.
+    guided_prefix: str = ""
+    guided_suffix: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.guided_json, dict | bool):
+            self.guided_json = json.dumps(self.guided_json)
+        guided = [self.guided_json is not None, self.guided_json_object, self.guided_regex is not None,
+                  self.guided_choice is not None, self.guided_grammar is not None]
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be between 0 and max_tokens"),
@@ -36,6 +50,11 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.n >= 1, "n must be >= 1"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (sum(guided) <= 1, "give at most one of guided_json, guided_json_object, guided_regex, guided_choice "
+                               "and guided_grammar"),
+            (self.guided_choice is None or len(self.guided_choice) > 0, "guided_choice must not be empty"),
+            (any(guided) or not (self.guided_prefix or self.guided_suffix),
+             "guided_prefix and guided_suffix need a guided_* constraint"),
         ]
         for ok, msg in checks:
             if not ok:

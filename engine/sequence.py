@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class Sequence:
     params: SamplingParams
     detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # per-request RNG when seeded
+    guide: Any = None  # engine.guided.Guide when the request asks for structured output
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -17,6 +17,11 @@ class TritonAttention:
     longer query takes the varlen prefill kernel, which handles the decodes in it too.
     """
 
+    # Decode launches depend on shapes alone (no host sync), so a decode step can be a CUDA graph.
+    supports_cuda_graphs = True
+    # Every load is masked to the context's written slots, so fresh cache blocks need no zeroing.
+    reads_unwritten_slots = False
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

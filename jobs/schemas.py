@@ -63,6 +63,28 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128)
     logprobs: int | None = Field(None, ge=0, le=20)
+    # Structured output, under vLLM's names (at most one); engine/guided.py enforces it.
+    guided_json: str | None = None  # a JSON schema, serialized
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None  # EBNF (with ::=) or Lark
+    guided_prefix: str = ""  # literal text before / after the constrained part (a forced tool call's tags)
+    guided_suffix: str = ""
+
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _schema_text(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return json.dumps(v, sort_keys=True)
+        if isinstance(v, str):
+            try:
+                parsed = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON schema (an object, or its JSON text)") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("must be a JSON schema (an object, or its JSON text)")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -75,7 +97,17 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
+        given = [k for k in GUIDED_FIELDS if getattr(self, k) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(GUIDED_FIELDS)} (got {', '.join(given)})")
+        if self.guided_choice is not None and not self.guided_choice:
+            raise ValueError("guided_choice must not be empty")
+        if (self.guided_prefix or self.guided_suffix) and not given:
+            raise ValueError("guided_prefix and guided_suffix need a guided_* constraint")
         return self
+
+
+GUIDED_FIELDS = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar")
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
@@ -96,6 +128,9 @@ class Job(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI's function tools, passed to the chat template
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", ...}
+    echo: bool = False  # completions: the prompt's text leads the completion's
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
@@ -148,11 +183,12 @@ class Choice(BaseModel):
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape; ``text`` is then what surrounds them
 
 
 class Result(BaseModel):
     """A job's one outcome. ``text``/``finish_reason`` are the first sample's; ``choices`` holds every
-    sample, and is filled only when there are several or they carry logprobs."""
+    sample, and is filled only when there are several or they carry logprobs or tool calls."""
 
     job_id: str
     custom_id: str
@@ -210,6 +246,9 @@ class Batch(BaseModel):
     cancelling_at: float | None = None
     cancelled_at: float | None = None
     errors: list[LineErrorInfo] = Field(default_factory=list)  # the first few bad lines
+    usage: ResultUsage = Field(default_factory=ResultUsage)  # summed over completed jobs
+    completion_window: str = "24h"  # as submitted
+    output_expires_after: float | None = None  # seconds the output and error files live after creation
 
     @property
     def is_final(self) -> bool:
@@ -225,11 +264,16 @@ class Batch(BaseModel):
         return {
             "id": self.id, "object": "batch", "endpoint": endpoint or self.endpoint, "model": self.model,
             "errors": {"object": "list", "data": errors} if errors else None,
-            "input_file_id": self.input, "completion_window": "24h", "status": self.status,
+            "input_file_id": self.input or "", "completion_window": self.completion_window, "status": self.status,
             "output_file_id": None, "error_file_id": None, "created_at": int(self.created_at), **ts,
             "request_counts": {"total": c.total, "completed": c.completed,
                                "failed": c.failed + c.cancelled + c.expired},
             "metadata": self.metadata or None,
+            "usage": {"input_tokens": self.usage.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
+                      "output_tokens": self.usage.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens},
         }
 
 
@@ -253,13 +297,17 @@ class LineError(ValueError):
 
 # Body fields OpenAI accepts that change nothing here (or only when left at their no-op value).
 _IGNORED_BODY = frozenset({"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-_NOOP_BODY: dict[str, Any] = {"stream": (False, None), "logit_bias": (None, {}), "echo": (False, None),
-                              "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
+_NOOP_BODY: dict[str, Any] = {"stream": (False, None), "logit_bias": (None, {}), "suffix": (None, "")}
 # Extensions to OpenAI's body that vLLM also takes, under the engine's names.
 _EXTRA_BODY = frozenset({"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "n", "stop", "seed", "presence_penalty",
                               "frequency_penalty", "max_tokens"}) | _EXTRA_BODY
-_SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages", "model", "priority", "deadline"})
+# Structured output in a body or a simple line: OpenAI's response_format and vLLM's guided_* names.
+_STRUCTURED = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                         "guided_json_object", "guided_decoding_backend", "guided_whitespace_pattern"})
+_TOOLS = frozenset({"tools", "tool_choice"})
+_SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages", "model", "priority", "deadline",
+                          "response_format", "tools", "tool_choice", "echo"})
 
 
 def parse_line(text: str, line_no: int, defaults: SamplingParams | None = None, *,
@@ -355,27 +403,106 @@ def _check_body_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
 
 
 def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _check_body_keys(body, _OPENAI_SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                                "response_format"})
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ValueError("body.response_format other than text is not supported")
+    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | _TOOLS | {"messages", "max_completion_tokens",
+                                                                       "logprobs", "top_logprobs"})
     sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     if body.get("logprobs"):
         sampling["logprobs"] = body.get("top_logprobs") or 0
-    return {"kind": "chat", "messages": normalize_messages(body.get("messages"))}, sampling
+    fields = {"kind": "chat", "messages": normalize_messages(body.get("messages"))}
+    _add_structured(body, fields, sampling, "body.")
+    return fields, sampling
 
 
 def _completions_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _check_body_keys(body, _OPENAI_SAMPLING | {"prompt", "logprobs", "best_of"})
+    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | {"prompt", "logprobs", "best_of", "echo"})
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise ValueError("body.best_of other than n is not supported")
     sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("logprobs") is not None:
         sampling["logprobs"] = body["logprobs"]
-    return {"kind": "completion", **_completion_prompt(body.get("prompt"))}, sampling
+    fields = {"kind": "completion", **_completion_prompt(body.get("prompt"))}
+    _add_structured(body, fields, sampling, "body.")
+    return fields, sampling
+
+
+def _add_structured(obj: dict[str, Any], fields: dict[str, Any], sampling: dict[str, Any], where: str) -> None:
+    """response_format, vLLM's guided_* fields, tools and echo of a body or simple line, into the job's
+    fields and its sampling settings."""
+    for k in GUIDED_FIELDS:
+        if obj.get(k) is not None:
+            sampling[k] = obj[k]
+    if obj.get("guided_decoding_backend") not in (None, "xgrammar", "auto"):
+        raise ValueError(f"{where}guided_decoding_backend: only xgrammar runs here")
+    sampling.update(_response_format(obj.get("response_format"), where))
+    if obj.get("tools") or obj.get("tool_choice") not in (None, "none", "auto"):
+        if fields["kind"] != "chat":
+            raise ValueError(f"{where}tools need chat messages")
+        tools, choice, forced = _tools(obj.get("tools"), obj.get("tool_choice"), where)
+        fields.update(tools=tools, tool_choice=choice)
+        if forced:
+            if any(k.startswith("guided_") for k in sampling):
+                raise ValueError(f"{where}tool_choice {choice!r} forces a tool call: no response_format with it")
+            sampling.update(forced)
+    if obj.get("echo"):
+        if fields["kind"] != "completion":
+            raise ValueError(f"{where}echo is for completions (a prompt), not chat")
+        if obj.get("logprobs") is not None:
+            raise ValueError(f"{where}echo with logprobs (the prompt's logprobs) is not supported")
+        fields["echo"] = True
+
+
+def _response_format(fmt: Any, where: str) -> dict[str, Any]:
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"guided_json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError(f"{where}response_format.json_schema.schema must be a JSON schema object")
+        return {"guided_json": spec["schema"]}
+    raise ValueError(f"{where}response_format.type must be text, json_object or json_schema")
+
+
+# The Hermes / Qwen tool-call format: the JSON call between these tags, one block per call.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _tools(tools: Any, choice: Any, where: str) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
+    """Checked tools, the tool_choice, and the sampling fields that force a call (empty unless forced)."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"{where}tool_choice {choice!r} needs tools")
+    by_name: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}tools[{i}].function.parameters must be a JSON schema object")
+        by_name[fn["name"]] = params
+    choice = "auto" if choice is None else choice
+    if choice in ("auto", "none"):
+        return tools, choice, {}
+    if choice == "required":
+        names = list(by_name)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in by_name:
+            raise ValueError(f"{where}tool_choice names {name!r}, which is not among the tools")
+        names = [name]
+    else:
+        raise ValueError(f"{where}tool_choice must be auto, none, required or {{'type': 'function', ...}}")
+    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]},
+              "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return tools, choice, {"guided_json": schema, "guided_prefix": TOOL_CALL_OPEN + "\n",
+                           "guided_suffix": "\n" + TOOL_CALL_CLOSE}
 
 
 def _completion_prompt(prompt: Any) -> dict[str, Any]:
@@ -391,7 +518,7 @@ def _completion_prompt(prompt: Any) -> dict[str, Any]:
 
 
 def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    unknown = set(obj) - _SIMPLE_META - SAMPLING_FIELDS
+    unknown = set(obj) - _SIMPLE_META - SAMPLING_FIELDS - _STRUCTURED
     if unknown:
         raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
     custom_id = obj.get("custom_id", f"line-{line_no}")
@@ -411,7 +538,9 @@ def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], d
             fields[k] = obj[k]
     if obj.get("deadline") is not None:
         fields["deadline"] = parse_deadline(obj["deadline"])
-    return fields, {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}
+    sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}
+    _add_structured(obj, fields, sampling, "")
+    return fields, sampling
 
 
 def parse_deadline(v: Any) -> float:
@@ -439,9 +568,39 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         content = m.get("content")
         if isinstance(content, list):
             content = _text_parts(content, i)
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""  # an assistant turn that only calls tools
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or text parts")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _input_tool_calls(m["tool_calls"], i)
+        for k in ("tool_call_id", "name"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        out.append(msg)
+    return out
+
+
+def _input_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates read them (arguments as an object)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
     return out
 
 
@@ -494,8 +653,8 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
              "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
     model = (job.model if job is not None else None) or result.model or "default"
     if kind == "chat":
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c.logprobs), "finish_reason": _finish(c.finish_reason)} for c in choices]
+        out = [{"index": c.index, "message": _message(c), "logprobs": _chat_logprobs(c.logprobs),
+                "finish_reason": _finish(c.finish_reason)} for c in choices]
         return {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": out, "usage": usage}
     out = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
@@ -504,8 +663,15 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
             "choices": out, "usage": usage}
 
 
-def _finish(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+def _message(c: Choice) -> dict[str, Any]:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+
+
+def _finish(reason: str | None) -> str:
+    # stop | length | tool_calls; an aborted or failed sample keeps its own reason ("abort", "error").
+    return reason or "stop"
 
 
 def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:

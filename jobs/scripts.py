@@ -47,6 +47,14 @@ if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[1]
   local rid = redis.call('XADD', KEYS[3], '*', 'i', ARGV[1], 'r', ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[1], rid)
   redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+  if ARGV[2] == 'completed' then  -- the batch's token usage, summed as results land
+    local ok, res = pcall(cjson.decode, ARGV[3])
+    if ok and type(res) == 'table' and type(res.usage) == 'table' then
+      for _, k in ipairs({'prompt_tokens', 'completion_tokens', 'cached_tokens'}) do
+        redis.call('HINCRBY', KEYS[1], k, tonumber(res.usage[k]) or 0)
+      end
+    end
+  end
   if ARGV[5] ~= '' then
     redis.call('XADD', KEYS[5], '*', 'i', ARGV[1], 'd', ARGV[5])
   end

@@ -19,6 +19,7 @@ from jobs.schemas import (
     BatchCounts,
     LineErrorInfo,
     Result,
+    ResultUsage,
     result_to_output_line,
 )
 from jobs.scripts import Scripts, sweep, transition
@@ -36,7 +37,11 @@ def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Ba
                  endpoint=meta.get("endpoint") or CHAT_URL,
                  priority=int(meta.get("priority") or 0), input=meta.get("input") or None,
                  metadata=json.loads(meta.get("metadata") or "{}"),
-                 errors=[LineErrorInfo.model_validate_json(e) for e in errors or []], **times)
+                 errors=[LineErrorInfo.model_validate_json(e) for e in errors or []],
+                 usage=ResultUsage(**{k: int(meta.get(k) or 0) for k in ResultUsage.model_fields}),
+                 completion_window=meta.get("completion_window") or "24h",
+                 output_expires_after=float(meta["output_expires_after"]) if meta.get("output_expires_after") else None,
+                 **times)
 
 
 def get_batch(r: redis.Redis, batch_id: str, *, max_errors: int = 20) -> Batch | None:
@@ -56,6 +61,15 @@ def list_batches(r: redis.Redis, *, limit: int = 20, before: float | None = None
     for bid in ids:
         pipe.hgetall(keys.meta(bid))
     return [batch_from_meta(m) for m in pipe.execute() if m]
+
+
+def set_batch_options(r: redis.Redis, batch_id: str, completion_window: str,
+                      output_expires_after: float | None) -> None:
+    """What the API's batch create was given beyond the jobs (OpenAI's Batch object echoes them)."""
+    fields: dict[str, Any] = {"completion_window": completion_window}
+    if output_expires_after is not None:
+        fields["output_expires_after"] = output_expires_after
+    r.hset(keys.meta(batch_id), mapping=fields)
 
 
 def get_line_errors(r: redis.Redis, batch_id: str) -> list[LineErrorInfo]:

@@ -51,13 +51,15 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
            defaults: SamplingParams | None = None, priority: int = 0,
            completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
            input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK,
-           endpoint: str | None = None, on_complete: dict[str, Any] | None = None) -> Batch:
+           endpoint: str | None = None, on_complete: dict[str, Any] | None = None,
+           line_errors: Iterable[LineErrorInfo] = ()) -> Batch:
     """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
 
     ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
     it, the first line's ``model`` (or "default") does, and lines naming another model are rejected.
     ``endpoint`` (OpenAI's batch endpoint) defaults to the URL of the first job's kind.
     ``on_complete`` (a Celery signature as a dict) is sent once when the batch ends (store.retire_batch).
+    ``line_errors`` are lines a caller's own checks refused (the API's upload limits): recorded, not parsed.
     """
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
@@ -66,8 +68,11 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     sub.endpoint = endpoint
     try:
         sub.create(completion_window, metadata, input_name, on_complete)
+        refused = {e.line: e for e in line_errors}
         for line_no, text in enumerate(lines, 1):
-            if text.strip():
+            if line_no in refused:
+                sub.reject(refused[line_no])
+            elif text.strip():
                 sub.add(line_no, text)
             due = sub.pending >= chunk or (sub.pending and time.time() - sub.flushed_at > FLUSH_EVERY)
             if due and not sub.flush():
@@ -156,7 +161,7 @@ class _Submission:
             job = parse_line(text, line_no, self.defaults, batch_id=self.bid, idx=self.total, created_at=self.now)
             self._check(job)
         except LineError as e:
-            self._reject(e.info())
+            self.reject(e.info())
             return
         self.seen.add(job.custom_id)
         if self.endpoint is None:
@@ -176,7 +181,7 @@ class _Submission:
         elif wanted is not None and wanted != self.model and not self.explicit_model:
             raise LineError(job.line, "model_mismatch", f"model {job.model!r} differs from the batch's {self.model!r}")
 
-    def _reject(self, info: LineErrorInfo) -> None:
+    def reject(self, info: LineErrorInfo) -> None:
         self.invalid += 1
         self.errors.append(info.model_dump_json())
 

@@ -38,7 +38,7 @@ def _store_kvcache_kernel(
     idx = tl.arange(0, BLOCK)
     # Slot -1 marks a padded token: masking both sides moves no memory for it.
     ok = (idx < NUM_ELEMS) & (slot >= 0)
-    head = idx // HEAD_DIM
+    head = (idx // HEAD_DIM).to(tl.int64)  # head * stride_ch passes 2**31 in a big head-major cache
     dim = idx % HEAD_DIM
     # int64 throughout: block * stride overflows int32 once a cache holds 2**31 elements.
     block = slot // BLOCK_SIZE

@@ -42,7 +42,9 @@ def _load_kv_tile(
 ):
     """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0)."""
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    # int64 for the head too: in the head-major cache stride_h spans a whole layer's blocks, so
+    # kv_head * stride_h passes 2**31 in a big cache even where each factor fits in 32 bits.
+    row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head.to(tl.int64) * stride_h
     ptrs = cache_ptr + row[:, None] + dims[None, :] * stride_d
     return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
 
@@ -181,7 +183,7 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -189,6 +191,8 @@ def _prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    tile_starts_ptr,
+    num_seqs,
     out_ptr,
     scale_log2,
     stride_qt,
@@ -213,15 +217,25 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One (query tile, sequence, KV head).
+    """One (query tile of some sequence, KV head).
 
     The tile's rows are (query token, query head) pairs, GROUP heads per token, so the heads that
     share a KV head share every K/V tile loaded: short queries over a long context stay cheap.
+    Tiles are numbered across the batch (``tile_starts[b]`` is sequence b's first), so a step with
+    one long chunk and many decodes launches a program per real tile, not longest query x batch.
     """
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The sequence owning tile t: how many sequences start at or before it, counted 128 at a time.
+    b = 0
+    for c in range(0, num_seqs, 128):
+        idx = c + tl.arange(0, 128)
+        later = tl.load(tile_starts_ptr + 1 + idx, mask=idx < num_seqs, other=2**31 - 1)
+        b += tl.sum((later <= t).to(tl.int32), 0)
+    if b >= num_seqs:  # the grid is an upper bound on the tile count
+        return
+    tile = t - tl.load(tile_starts_ptr + b)
 
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -407,7 +421,11 @@ def paged_prefill_attention(
         return out
     head_dim = q.shape[2]
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    grid = (triton.cdiv(max_query_len, block_m // group), batch, k_cache.shape[2])
+    tokens = block_m // group
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tile_starts = torch.nn.functional.pad(torch.cumsum((q_lens + tokens - 1) // tokens, 0), (1, 0)).int()
+    # sum(cdiv(q_len, tokens)) < cdiv(total, tokens) + batch: a bound known without a device sync.
+    grid = (triton.cdiv(q.shape[0], tokens) + batch, k_cache.shape[2])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -415,6 +433,8 @@ def paged_prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        tile_starts,
+        batch,
         out,
         scale * LOG2E,
         *q.stride(),

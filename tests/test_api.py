@@ -175,11 +175,12 @@ def test_bad_input_names_the_line_and_unknown_ids_are_404(live: Live) -> None:
     client = live.client()
     lines = chat_lines(rng, 8)
     bad = rng.randrange(len(lines))
-    lines[bad] = lines[bad][:-7]  # torn JSON
+    lines = [lines[bad][:-7]] + ["{}"] * bad  # torn JSON, then lines with no prompt: nothing can run
     with pytest.raises(openai.BadRequestError) as e:
         _upload(client, lines)
     err = e.value.response.json()["error"]
-    assert err["line"] == bad + 1 and err["message"].startswith(f"line {bad + 1}: not valid JSON"), err
+    assert err["line"] == 1 and err["message"].startswith("no line of the file can run: line 1: not valid JSON")
+    assert [x["line"] for x in err["lines"]] == list(range(1, bad + 2)), err
 
     with pytest.raises(openai.BadRequestError) as e:
         client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
@@ -217,11 +218,11 @@ def test_limits_and_a_down_job_server(tmp_path: Path) -> None:
     r = upload(ok)
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_lines" and r.json()["error"]["line"] == 6
     r = upload([ok[0], json.dumps({"custom_id": "long", "prompt": "x" * 41})])
-    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long" and r.json()["error"]["line"] == 2
+    assert r.status_code == 200  # as with sluice submit: the good line runs, the bad one goes to the error file
+    r = upload([json.dumps({"custom_id": "long", "prompt": "x" * 41})])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long" and r.json()["error"]["line"] == 1
     r = upload([json.dumps({"custom_id": f"{i}", "prompt": "y" * 30}) for i in range(70)])
     assert r.status_code == 413
-    r = upload([ok[0], ok[0]])
-    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_custom_id"
     assert upload(ok[:5]).status_code == 200
     assert c.post("/v1/jobs", json={"prompt": "z" * 41}).status_code == 400
 
@@ -229,3 +230,80 @@ def test_limits_and_a_down_job_server(tmp_path: Path) -> None:
     assert r.status_code == 503 and r.json()["error"]["code"] == "job_server_unavailable"
     assert c.get("/healthz").status_code == 503
     assert "sluice_job_server_up 0.0" in c.get("/metrics").text
+
+
+def test_batch_objects_parse_with_the_openai_types(live: Live) -> None:
+    """Structured output and logprobs in vLLM-style lines, bad lines beside good ones, the files' expiry and
+    listing, the batch's usage: every object through the SDK's own pydantic types."""
+    from openai.types import Batch, FileObject
+
+    rng = random.Random(fresh_seed())
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    bodies = [{"messages": [{"role": "user", "content": "a number"}], "max_tokens": 30,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+              {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 10, "guided_choice": ["up", "down"],
+               "logprobs": True, "top_logprobs": 2},
+              {"messages": [{"role": "user", "content": "free"}], "max_tokens": 3, "seed": rng.randrange(99),
+               "temperature": 1.0}]
+    lines = [json.dumps({"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions", "body": b})
+             for i, b in enumerate(bodies)]
+    lines.insert(1, '{"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}')
+    lines.append("not json")
+    client = live.client()
+    f = client.files.create(file=("mixed.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 7200})
+    FileObject.model_validate(f.model_dump())
+    assert f.expires_at == f.created_at + 7200
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="48h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 3600})
+    assert batch.completion_window == "48h" and batch.request_counts.total == 3
+    batch = wait_final(lambda: client.batches.retrieve(batch.id))
+    Batch.model_validate(batch.model_dump())
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+
+    out = {x["custom_id"]: x for x in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    bodies_out = {k: ChatCompletion.model_validate(v["response"]["body"]) for k, v in out.items()}
+    u = batch.usage
+    assert u.input_tokens == sum(b.usage.prompt_tokens for b in bodies_out.values()) > 0
+    assert u.output_tokens == sum(b.usage.completion_tokens for b in bodies_out.values()) > 0
+    assert u.total_tokens == u.input_tokens + u.output_tokens and u.input_tokens_details.cached_tokens >= 0
+    if bodies_out["s0"].choices[0].finish_reason == "stop":
+        assert 0 <= json.loads(bodies_out["s0"].choices[0].message.content)["n"] <= 9
+    pick = bodies_out["s1"].choices[0]
+    assert pick.message.content in ("up", "down")
+    assert "".join(t.token for t in pick.logprobs.content).startswith(pick.message.content)
+    assert all(len(t.top_logprobs) == 2 for t in pick.logprobs.content)
+    errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(e["error"]["line"] for e in errors) == [2, 5]  # the bad lines, by number
+    for fid in (batch.output_file_id, batch.error_file_id):
+        fo = client.files.retrieve(fid)
+        FileObject.model_validate(fo.model_dump())
+        assert fo.expires_at == fo.created_at + 3600
+
+    g = client.files.create(file=("second.jsonl", (lines[0] + "\n").encode()), purpose="batch")
+    assert g.expires_at == g.created_at + 30 * 24 * 3600
+    desc = [x.id for x in client.files.list(order="desc", limit=100)]
+    asc = [x.id for x in client.files.list(order="asc", limit=100)]
+    assert asc == desc[::-1] and desc.index(g.id) < desc.index(f.id)
+    page = client.files.list(limit=1, order="asc", after=asc[0])
+    assert [x.id for x in page.data] == asc[1:2] and page.has_more == (len(asc) > 2)
+    every = live.http().get("/v1/batches", params={"limit": 100}).json()
+    batches = live.http().get("/v1/batches", params={"limit": 1}).json()
+    assert batches["has_more"] == (len(every["data"]) > 1) and len(batches["data"]) == 1
+    for b in every["data"]:
+        Batch.model_validate(b)
+
+
+def test_expired_files_are_deleted(tmp_path: Path) -> None:
+    from api.filestore import FileStore
+
+    store = FileStore(tmp_path)
+    tmp = tmp_path / "upload"
+    tmp.write_text('{"prompt": "x"}\n')
+    old = store.add(tmp, "a.jsonl", "batch", {}, ttl=-1)  # already past its expires_at
+    tmp.write_text('{"prompt": "y"}\n')
+    new = store.add(tmp, "b.jsonl", "batch", {}, ttl=3600)
+    assert store.delete_expired() == 1
+    assert not old.path.exists() and store.get_upload(old.meta["id"]) is None
+    assert store.get_upload(new.meta["id"]) is not None and new.path.exists()

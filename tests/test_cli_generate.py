@@ -20,6 +20,7 @@ LINES = [
     "",
     '{"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
     '{"prompt": "no custom id here", "max_tokens": 3}',
+    '{"custom_id": "f", "prompt": "x", "guided_regex": "(unclosed"}',
 ]
 
 
@@ -34,8 +35,9 @@ def test_generate_writes_results_and_error_lines_then_resume_redoes_nothing(tiny
             "--kv-cache-memory", "16MiB", "--max-tokens", "6", "--no-progress"]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == EXIT_SOME_FAILED, res.output
-    got = _read(out)
-    assert set(got) == {"a", "b", "line-3", "c", "d", "e", "line-8"}
+    got, errors = _read(out), _read(tmp_path / "out.errors.jsonl")  # the errors file the README promises
+    assert set(got) == {"a", "b", "c", "line-8"} and set(errors) == {"line-3", "d", "e", "f"}
+    got.update(errors)
     for ok in ("a", "b", "c", "line-8"):
         assert got[ok]["error"] is None and got[ok]["response"]["status_code"] == 200
     assert got["a"]["response"]["body"]["object"] == "text_completion"
@@ -45,13 +47,14 @@ def test_generate_writes_results_and_error_lines_then_resume_redoes_nothing(tiny
     for bad, line_no in (("line-3", 3), ("d", 5), ("e", 7)):
         assert got[bad]["response"] is None
         assert got[bad]["error"]["message"].startswith(f"line {line_no}:"), got[bad]
-    assert "4 completed, 0 failed, 3 bad lines" in res.output
+    assert errors["f"]["response"]["status_code"] == 400 and "does not compile" in errors["f"]["error"]["message"]
+    assert "4 completed, 1 failed, 3 bad lines" in res.output
 
-    before = out.read_text()
+    before = out.read_text(), (tmp_path / "out.errors.jsonl").read_text()
     res = CliRunner().invoke(cli, args + ["--resume"])
     assert res.exit_code == 0, res.output
-    assert "0 completed, 0 failed, 0 bad lines, 4 skipped" in res.output
-    assert out.read_text() == before
+    assert "0 completed, 0 failed, 0 bad lines, 5 skipped" in res.output
+    assert (out.read_text(), (tmp_path / "out.errors.jsonl").read_text()) == before
 
 
 def test_resume_after_an_interrupted_run_finishes_only_the_rest(tiny_model_dir: Path, tmp_path: Path) -> None:

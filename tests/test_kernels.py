@@ -193,6 +193,23 @@ def test_prefill(
     assert_close(out, reference(q, k_cache, v_cache, tables, lens, qlens, scale), dtype)
 
 
+def test_prefill_one_long_chunk_among_many_decodes(rng: random.Random) -> None:
+    """A mixed step as the scheduler makes it: one long prompt chunk and 130 decodes (past the kernel's
+    128-sequence search chunk), launched per query tile, not longest query x batch."""
+    dtype, d, group, block_size, hkv = F32, 16, 2, 16, 1
+    pos = rng.randrange(131)
+    qlens = [1] * 131
+    qlens[pos] = rng.randint(70, 130)
+    lens = [m + rng.randint(0, 40) for m in qlens]
+    tables, num_blocks = block_tables_for(rng, lens, block_size)
+    k_cache, v_cache = random_cache(num_blocks, block_size, hkv, d, dtype)
+    q = torch.randn(sum(qlens), hkv * group, d)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, seq_lens, max(qlens), 0.25)
+    assert_close(out, reference(q, k_cache, v_cache, tables, lens, qlens, 0.25), dtype)
+
+
 # ---- random configurations ---------------------------------------------------------------------------
 # The cases above pin the corners; these draw the rest of the grid afresh each run.
 
@@ -278,6 +295,40 @@ def test_offsets_past_int32(rng: random.Random) -> None:
     store_kvcache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, hkv, d)[slots], key)
     assert torch.equal(v_cache.view(-1, hkv, d)[slots], value)
+
+    q = torch.randn(2, hkv * group, d).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1, 1], 0.25)
+    assert_close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, 2), ref, dtype)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert_close(paged_prefill_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 1, 0.25), ref, dtype)
+
+
+def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> None:
+    """The engine's head-major cache (allocate_kv) with three KV heads, each head's plane just over 2**30
+    elements: head 2 starts past 2**31 although its stride fits in 32 bits, so ``kv_head * stride_h``
+    must be computed in int64. Uninitialised memory: only the touched pages are ever backed."""
+    from engine.attention import allocate_kv
+
+    dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
+    num_blocks = 2**30 // (block_size * d) + 64
+    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    assert k_cache.stride(2) < 2**31 <= (hkv - 1) * k_cache.stride(2)
+    lens = [rng.randint(20, 60), rng.randint(1, 20)]
+    need = [cdiv(n, block_size) for n in lens]
+    blocks = rng.sample(range(num_blocks - 64, num_blocks), sum(need))
+    tables = torch.zeros(2, max(need), dtype=torch.int32)
+    tables[0, : need[0]] = torch.tensor(blocks[: need[0]])
+    tables[1, : need[1]] = torch.tensor(blocks[need[0] :])
+    slots = torch.cat([tables[b, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                       for b, n in enumerate(lens)])
+    key = torch.randn(len(slots), hkv, d).to(dtype)
+    value = torch.randn(len(slots), hkv, d).to(dtype)
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    where = (slots // block_size, slots % block_size)  # indexing picks rows; a reshape would copy 12 GB
+    assert torch.equal(k_cache[where], key)
+    assert torch.equal(v_cache[where], value)
 
     q = torch.randn(2, hkv * group, d).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)

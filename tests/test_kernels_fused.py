@@ -84,3 +84,41 @@ def test_rotary(rng: random.Random, dtype: torch.dtype, hq: int, hkv: int, d: in
     assert relative_error(q, ref_q) <= TOL[dtype]
     assert relative_error(k, ref_k) <= TOL[dtype]
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+
+
+def test_model_with_fused_kernels_matches_eager(rng: random.Random) -> None:
+    """The model's switch to the fused kernels (on for CUDA + Triton): a packed step of prompt chunks
+    through the whole tiny model gives the eager model's hidden states."""
+    from transformers import LlamaConfig
+
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.models.llama import LlamaForCausalLM
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg, 128).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    runner = ModelRunner(EngineConfig(block_size=16), model, torch.device("cpu"), torch.float32)
+    assert not model.rotary.fused and not model.norm.fused  # off on CPU by default
+    lens = [rng.randint(1, 40) for _ in range(3)]
+    batch, start = ScheduledBatch(), 0
+    for i, n in enumerate(lens):
+        seq = Sequence(i, f"r{i}", 0, [rng.randrange(300) for _ in range(n)], n, SamplingParams())
+        seq.block_table = list(range(start, start + -(-n // 16)))
+        start += len(seq.block_table)
+        batch.add(seq, n)
+    runner._allocate(start)
+    runner.zero_fresh_blocks(start)
+    ids, pos, meta, _, _ = runner.prepare(batch)
+    with torch.inference_mode():
+        eager = model(ids, pos, runner.kv_caches, meta, runner.backend)
+        model.use_fused_kernels(True)
+        assert model.rotary.fused and model.norm.fused
+        fused = model(ids, pos, runner.kv_caches, meta, runner.backend)
+    assert relative_error(fused, eager.double()) <= 1e-5

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
+import uuid
 from typing import Any
 
 from engine.outputs import Completion, Request
 from engine.outputs import TokenLogprob as EngineLogprob
 from engine.sampling_params import SamplingParams as EngineParams
 from jobs.schemas import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
     Choice,
     ErrorInfo,
     Job,
@@ -19,6 +25,8 @@ from jobs.schemas import (
     TopLogprob,
 )
 
+_TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
 
 def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | None = None) -> Request:
     """The engine request of a job (id: ``request_id``, else the job's id, else its custom_id).
@@ -26,9 +34,10 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
     p = job.params
     if vocab_size is not None and any(t >= vocab_size for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
-    params = EngineParams(**{**p.model_dump(), "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids)})
+    params = EngineParams(**{**p.model_dump(), "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+                             "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
-                   params=params)
+                   params=params, tools=job.tools)
 
 
 def bare_result(job: Job, status: str, code: str, message: str, worker: str | None = None,
@@ -43,15 +52,14 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
                          worker: str | None = None, model: str | None = None) -> Result:
     """A finished engine request as the job's Result (``tokenizer`` spells out logprob tokens)."""
     failed = c.error is not None or c.finish_reason == "error"
-    choices: list[Choice] = []
-    if len(c.outputs) > 1 or any(o.logprobs is not None for o in c.outputs):
-        decode = _Decoder(tokenizer)
-        choices = [Choice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                          logprobs=decode.logprobs(o.logprobs)) for o in c.outputs]
+    decode = _Decoder(tokenizer)
+    echo = _prompt_text(job, decode) if job.echo else ""
+    choices = [_choice(job, o, echo, decode) for o in c.outputs]
+    keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls for x in choices)
     return Result(
         job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
-        model=job.model or model, status="failed" if failed else "completed", text=c.text,
-        finish_reason=c.finish_reason, choices=choices,
+        model=job.model or model, status="failed" if failed else "completed", text=choices[0].text if choices else "",
+        finish_reason=choices[0].finish_reason if choices else c.finish_reason, choices=choices if keep else [],
         usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens,
                           cached_tokens=c.usage.cached_tokens),
         timings=ResultTimings(submitted=job.created_at or None, started=started, first_token=c.timings.first_token,
@@ -60,6 +68,43 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
         # The engine fails a request only for what it is (too long, bad token ids): retrying won't help.
         error=ErrorInfo(code="invalid_request", message=c.error or "the engine refused the request") if failed else None,
     )
+
+
+def _choice(job: Job, o: Any, echo: str, decode: _Decoder) -> Choice:
+    text, calls = o.text, None
+    if job.tools and job.tool_choice != "none":
+        text, calls = parse_tool_calls(text)
+    reason = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+    return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=decode.logprobs(o.logprobs),
+                  tool_calls=calls)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
+    """The Hermes / Qwen ``<tool_call>{"name", "arguments"}</tool_call>`` blocks of a reply, in OpenAI's
+    shape, and the text around them. A block that is not a JSON call stays in the text."""
+    calls: list[dict[str, Any]] = []
+
+    def take(m: re.Match[str]) -> str:
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return m.group(0)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return m.group(0)
+        args = call.get("arguments", call.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text).strip()
+    return (rest, calls) if calls else (text, None)
+
+
+def _prompt_text(job: Job, decode: _Decoder) -> str:
+    if job.prompt is not None:
+        return job.prompt
+    tok = decode.tokenizer
+    return tok.decode(job.prompt_token_ids or [], skip_special_tokens=True) if tok is not None else ""
 
 
 class _Decoder:
@@ -78,6 +123,11 @@ class _Decoder:
     def logprobs(self, lps: list[EngineLogprob | None] | None) -> list[TokenLogprob] | None:
         if lps is None:
             return None
-        return [TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=t.logprob,
-                             top=[TopLogprob(token_id=i, token=self.text(i), logprob=lp) for i, lp in t.top])
+        return [TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=_finite(t.logprob),
+                             top=[TopLogprob(token_id=i, token=self.text(i), logprob=_finite(lp)) for i, lp in t.top])
                 for t in lps if t is not None]
+
+
+def _finite(logprob: float) -> float:
+    # A token a grammar masked out has logprob -inf, which JSON cannot carry; OpenAI writes -9999.0.
+    return logprob if math.isfinite(logprob) else -9999.0

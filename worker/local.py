@@ -1,8 +1,8 @@
 """``sluice generate``: a JSONL file through the engine in-process, no Redis.
 
 Each result line is written and flushed the moment its request finishes, so an interrupted run keeps
-what finished; ``resume`` skips custom_ids already in the output. A bad line becomes an error line
-naming its line number, and the rest runs.
+what finished; ``resume`` skips custom_ids already in the output or errors file. Completed requests go
+to the output; failed ones, and bad lines (naming their line number), to the errors file; the rest runs.
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ class GenerateSummary:
     completion_tokens: int = 0
 
 
-def generate_file(input_path: Path, output_path: Path, *, model: str | None, engine_kwargs: dict[str, Any],
-                  defaults: SamplingParams | None = None, resume: bool = False, progress: bool = True,
-                  llm: LLM | None = None) -> GenerateSummary:
+def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, model: str | None,
+                  engine_kwargs: dict[str, Any], defaults: SamplingParams | None = None, resume: bool = False,
+                  progress: bool = True, llm: LLM | None = None) -> GenerateSummary:
     summary = GenerateSummary()
-    done = values_in(output_path, "custom_id") if resume else set()
+    done = values_in(output_path, "custom_id") | values_in(errors_path, "custom_id") if resume else set()
     if not resume:
         output_path.write_text("")
+        errors_path.unlink(missing_ok=True)
     # Undecodable bytes kept as escapes: that line fails as not UTF-8, the rest runs.
-    with output_path.open("a") as out, input_path.open(encoding="utf-8", errors="surrogateescape") as src:
-        jobs = list(_read_jobs(src, defaults, done, out, summary))
+    with output_path.open("a") as out, _LazyFile(errors_path) as err, \
+            input_path.open(encoding="utf-8", errors="surrogateescape") as src:
+        jobs = list(_read_jobs(src, defaults, done, err, summary))
         if not jobs:
             return summary
         engine = llm if llm is not None else LLM(model, **engine_kwargs)
@@ -46,7 +48,7 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
 
         def write(c: Completion) -> None:
             result = completion_to_result(by_id[c.request_id], c, engine.tokenizer)
-            _write_line(out, result_to_output_line(by_id[c.request_id], result))
+            _write_line(out if result.status == "completed" else err, result_to_output_line(by_id[c.request_id], result))
             summary.completion_tokens += c.usage.completion_tokens
             if result.status == "completed":
                 summary.completed += 1
@@ -57,7 +59,7 @@ def generate_file(input_path: Path, output_path: Path, *, model: str | None, eng
     return summary
 
 
-def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: IO[str],
+def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: Any,
                summary: GenerateSummary) -> Iterable[Job]:
     seen: set[str] = set()
     for line_no, text in enumerate(lines, start=1):
@@ -83,6 +85,30 @@ def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[
         yield job
 
 
+class _LazyFile:
+    """A file opened for appending on its first write: no empty errors file when nothing failed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f: IO[str] | None = None
+
+    def write(self, text: str) -> None:
+        if self.f is None:
+            self.f = self.path.open("a")
+        self.f.write(text)
+
+    def flush(self) -> None:
+        if self.f is not None:
+            self.f.flush()
+
+    def __enter__(self) -> _LazyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
 def _custom_id_of(text: str) -> str | None:
     try:
         v = json.loads(text).get("custom_id")
@@ -91,6 +117,6 @@ def _custom_id_of(text: str) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
-def _write_line(out: IO[str], obj: dict[str, Any]) -> None:
+def _write_line(out: Any, obj: dict[str, Any]) -> None:
     out.write(json.dumps(obj, ensure_ascii=False) + "\n")
     out.flush()

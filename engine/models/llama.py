@@ -16,12 +16,25 @@ from engine.attention import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
+    """With ``residual``, normalise ``x + residual`` and return it too (the next residual stream)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # kernels/fused.py's Triton kernel: one launch for the add and the norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.fused:
+            from kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers, so float32 results agree bit for bit.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,8 +62,13 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = False  # kernels/fused.py's Triton kernel, rotating q and k in place
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from kernels.fused import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -114,10 +132,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (MLP output, residual stream); the next norm adds them, so the add and norm fuse."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -144,10 +169,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """RMSNorm (+ residual) and rotary through kernels/fused.py (Triton; CUDA, or the interpreter)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = on
+        half = self.head_dim // 2
+        self.rotary.fused = on and half & (half - 1) == 0  # the rotary kernel needs a power-of-two half
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Reduce in float32: argmax and softmax over bfloat16 logits are slow on CPU and lose ties.
