@@ -29,6 +29,8 @@ class WorkerMetrics:
         self.tokens_per_s = gauge("sluice_tokens_per_second", f"Generated tokens/s over the last {TOKENS_WINDOW:g}s")
         self.outbox = gauge("sluice_outbox", "Finished results not yet written (Redis unreachable)")
         self.redis_up = gauge("sluice_redis_up", "1 while Redis answers")
+        self.write_errors = Counter("sluice_result_write_errors", "Result writes Redis refused (held and retried)",
+                                    list(labels), registry=self.registry).labels(**labels)
         self.tokens = Counter("sluice_generated_tokens", "Generated tokens", list(labels),
                               registry=self.registry).labels(**labels)
         self.jobs = Counter("sluice_jobs", "Job outcomes written by this worker", [*labels, "status"],
