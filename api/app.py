@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors, routes_batches, routes_files, routes_jobs
 from api.metrics import make_registry
@@ -55,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_api_route("/metrics", _metrics_route(registry), methods=["GET"], tags=["ops"],
                       response_class=Response, summary="Prometheus metrics")
     app.middleware("http")(_middleware(state, requests))
+    app.add_middleware(UploadLimit, max_bytes=state.settings.max_upload_bytes + UPLOAD_SLACK)
     app.openapi = _openapi_with_400(app)  # type: ignore[method-assign]
     return app
 
@@ -104,6 +106,48 @@ def _middleware(state: AppState, requests: Any) -> Callable[..., Awaitable[Respo
         return response
 
     return middleware
+
+
+class UploadLimit:
+    """Counts an upload's bytes as they arrive: chunked transfer has no Content-Length to check first,
+    and a multipart form is spooled to disk whole before any route runs. Past the limit the request
+    is answered 413 at once and nothing more is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/files":
+            await self.app(scope, receive, send)
+            return
+        seen = 0
+        over = False
+
+        async def counted() -> Message:
+            nonlocal seen, over
+            if over:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                over = True  # the form parser sees a disconnect; the 413 below is the answer
+                return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded(msg: Message) -> None:
+            if not over:
+                await send(msg)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            limit = self.max_bytes - UPLOAD_SLACK
+            await JSONResponse(errors.error_body(413, f"the file is larger than {limit} bytes", code="file_too_large",
+                                                 param="file"), status_code=413)(scope, receive, send)
 
 
 def _upload_too_large(request: Request, max_bytes: int) -> bool:

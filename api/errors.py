@@ -10,8 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from jobs.submit import JobServerFull
+
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+          409: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 507: "server_error"}
 
 
 class ApiError(Exception):
@@ -53,6 +55,11 @@ def install(app: FastAPI) -> None:
         where = ".".join(str(x) for x in err.get("loc", ()))
         return _respond(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")), code="invalid_request",
                         param=where or None)
+
+    # The job server's memory is full (maxmemory): nothing of the request was kept; retry later.
+    @app.exception_handler(JobServerFull)
+    async def _full(request: Request, e: JobServerFull) -> JSONResponse:
+        return _respond(507, str(e), code="job_server_full", headers={"Retry-After": "60"})
 
     # Only an unreachable server is a 503; any other Redis error is a bug and stays a 500.
     @app.exception_handler(redis.ConnectionError)

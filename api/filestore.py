@@ -89,10 +89,12 @@ class FileStore:
 
     def add(self, tmp: Path, filename: str, purpose: str, info: dict[str, Any], ttl: float = UPLOAD_TTL) -> StoredFile:
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        now = int(time.time())
+        now_ns = time.time_ns()
+        now = now_ns // 10**9
+        # created_at is whole seconds (OpenAI's); the nanoseconds order uploads made within one second.
         meta = {"id": file_id, "object": "file", "bytes": tmp.stat().st_size, "created_at": now,
                 "filename": filename, "purpose": purpose, "status": "processed", "expires_at": int(now + ttl),
-                "status_details": None, "sluice": info}
+                "status_details": None, "sluice": {**info, "uploaded_ns": now_ns}}
         path = self.root / f"{file_id}.jsonl"
         tmp.replace(path)
         _write_atomic(self.root / f"{file_id}.json", json.dumps(meta).encode())
@@ -134,7 +136,7 @@ class FileStore:
         if not self.root.is_dir():
             return []
         files = [self.get_upload(p.stem) for p in self.root.glob("file-*.json")]
-        return sorted((f for f in files if f is not None), key=lambda f: (-f.meta["created_at"], f.meta["id"]))
+        return sorted((f for f in files if f is not None), key=_newest_first)
 
     def delete_upload(self, file_id: str, meta: dict[str, Any] | None = None) -> bool:
         if meta is None and self.get_upload(file_id) is None:
@@ -191,6 +193,10 @@ class FileStore:
         os.replace(err_tmp, err_path)
         for p in (out_path, err_path):  # what housekeeping reads to delete them in time
             _write_atomic(p.with_suffix(".expires"), str(expires_at).encode())
+
+
+def _newest_first(f: StoredFile) -> tuple[int, str]:
+    return -f.info.get("uploaded_ns", f.meta["created_at"] * 10**9), f.meta["id"]
 
 
 def _expired(meta: dict[str, Any]) -> bool:

@@ -4,6 +4,8 @@ and queue depth per model, read from Redis), on the API's own Prometheus registr
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +15,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jobs.store import list_workers, queue_depth
+
+READ_EVERY = 5.0  # seconds a reading of the job plane is reused: scrapes must not each SCAN Redis
 
 
 def _families() -> tuple[GaugeMetricFamily, ...]:
@@ -25,6 +29,17 @@ def _families() -> tuple[GaugeMetricFamily, ...]:
 class JobPlaneCollector(Collector):
     def __init__(self, get_redis: Callable[[], redis.Redis]) -> None:
         self.get_redis = get_redis
+        self._reading: tuple[list[dict[str, Any]], dict[str, int]] | None = None
+        self._read_at = -math.inf
+
+    def _read(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        if self._reading is None or time.monotonic() - self._read_at > READ_EVERY:
+            r = self.get_redis()
+            workers = list_workers(r)
+            queues = {w.get("queue") or "default" for w in workers} | {"default"}
+            self._reading = workers, {q: queue_depth(r, q) for q in sorted(queues)}
+            self._read_at = time.monotonic()
+        return self._reading
 
     def describe(self) -> Iterator[Any]:
         """The names, without reading Redis (the registry asks at registration)."""
@@ -33,11 +48,9 @@ class JobPlaneCollector(Collector):
     def collect(self) -> Iterator[Any]:
         up, live, running, depth = _families()
         try:
-            r = self.get_redis()
-            workers = list_workers(r)
-            queues = {w.get("queue") or "default" for w in workers} | {"default"}
-            depths = {q: queue_depth(r, q) for q in sorted(queues)}
+            workers, depths = self._read()
         except (redis.RedisError, OSError, RuntimeError):
+            self._reading = None
             up.add_metric([], 0)
             yield up
             return

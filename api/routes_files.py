@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import ApiError, not_found
 from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, TooLarge
 from api.state import Redis, State
-from api.validation import scan_lines
+from api.validation import bounded_lines, max_line_bytes, scan_lines
 
 router = APIRouter(tags=["files"])
 JSONL = "application/jsonl"
@@ -39,7 +39,8 @@ def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> d
         raise ApiError(413, str(e), code="file_too_large", param="file") from None
     try:
         with tmp.open("rb") as src:
-            scan = scan_lines(src, s.max_batch_lines, s.max_prompt_chars)
+            scan = scan_lines(bounded_lines(src, max_line_bytes(s.max_prompt_chars)), s.max_batch_lines,
+                              s.max_prompt_chars)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

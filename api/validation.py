@@ -7,8 +7,10 @@ refused whole (400), the error naming the first bad line and listing up to ``MAX
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 from api.errors import ApiError
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineError, LineErrorInfo, parse_line
@@ -87,6 +89,23 @@ def _decode(line_no: int, raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise LineError(line_no, "invalid_encoding", f"not UTF-8 (byte {e.start + 1})") from None
+
+
+def max_line_bytes(max_prompt_chars: int) -> int:
+    """The longest line worth parsing: the prompt at 6 bytes a character (a JSON \\u escape) plus the rest."""
+    return 6 * max_prompt_chars + (1 << 20)
+
+
+def bounded_lines(src: IO[bytes], limit: int) -> Iterator[bytes]:
+    """The lines of ``src``, refusing (400) one longer than ``limit`` bytes before it is read whole."""
+    for line_no in itertools.count(1):
+        raw = src.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            raise ApiError(400, f"line {line_no}: longer than {limit} bytes", code="line_too_long", param="file",
+                           line=line_no)
+        yield raw
 
 
 def scan_lines(lines: Iterable[bytes], max_lines: int, max_prompt_chars: int) -> FileScan:

@@ -146,8 +146,8 @@ def _first_error(batch: Batch) -> str:
 
 def _open_lines(path: Path) -> Any:
     try:
-        # Undecodable bytes become U+FFFD: such a line is rejected by its parse, not the whole file.
-        return path.open(encoding="utf-8", errors="replace", newline="\n")
+        # Undecodable bytes are kept as escapes: that line is rejected as not UTF-8, not the whole file.
+        return path.open(encoding="utf-8", errors="surrogateescape", newline="\n")
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or one_line(e)}") from None
 

@@ -197,8 +197,9 @@ def submit_batch(lines: Iterable[str | dict[str, Any]] | None = None, path: str 
 
 
 def _read(path: Path) -> Iterator[str]:
-    """The file's lines, streamed (a large file is never held whole)."""
-    with path.open(encoding="utf-8", errors="replace", newline="\n") as f:
+    """The file's lines, streamed (a large file is never held whole); a line that is not UTF-8 is
+    rejected by its parse, naming it, as the CLI and the API do."""
+    with path.open(encoding="utf-8", errors="surrogateescape", newline="\n") as f:
         yield from f
 
 
@@ -224,28 +225,38 @@ def send_completion(r: redis.Redis, batch_id: str) -> AsyncResult | None:
 
 def forward_completions(stop: threading.Event) -> None:
     """Send the signatures of batches that ended, as whichever process ended them queued them
-    (store.queue_completion): so a GPU worker needs no Celery, and this app's broker settings apply."""
+    (store.queue_completion): so a GPU worker needs no Celery, and this app's broker settings apply.
+    Nothing that goes wrong stops it: a signature the broker refused waits here until Redis takes it
+    back, and every error is retried after a pause."""
     r = _redis()
+    unsent: list[str] = []  # refused by the broker, not yet back at the head of the list
     while not stop.is_set():
         try:
+            while unsent:
+                r.lpush(keys.completions(), unsent[-1])
+                unsent.pop()
             got = r.blpop([keys.completions()], timeout=WAIT_SLICE)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            log.warning("completion signatures: Redis unreachable (%s); retrying", e)
+            if got and not _send_one(r, got[1]):
+                unsent.append(got[1])
+                stop.wait(1.0)
+        except redis.RedisError as e:
+            log.warning("completion signatures: Redis refused or unreachable (%s); retrying", e)
             stop.wait(1.0)
-            continue
-        if got:
-            _send_one(r, got[1], stop)
+        except Exception:  # noqa: BLE001 - this thread must outlive any one failure
+            log.exception("completion signatures")
+            stop.wait(1.0)
 
 
-def _send_one(r: redis.Redis, batch_id: str, stop: threading.Event) -> None:
+def _send_one(r: redis.Redis, batch_id: str) -> bool:
+    """False when the broker is down (the caller puts it back); a malformed signature is dropped."""
     try:
         send_completion(r, batch_id)
-    except OperationalError as e:  # the broker is down: back to the head of the list, for later
+    except OperationalError as e:
         log.warning("completion signature of %s not sent (%s); retrying", batch_id, e)
-        r.lpush(keys.completions(), batch_id)
-        stop.wait(1.0)
+        return False
     except Exception:  # noqa: BLE001 - a malformed signature must not stop the others
         log.exception("the completion signature of %s cannot be sent; dropped", batch_id)
+    return True
 
 
 class CompletionSender(bootsteps.StartStopStep):

@@ -1,21 +1,28 @@
 """Periodic upkeep, run by workers on a timer (one at a time, under a lock): expire batches past
-their completion window and jobs past their deadline, retire finished batches, and delete the
-results of batches finished longer ago than the results TTL."""
+their completion window and jobs past their deadline, seal batches whose submitter is gone, retire
+finished batches, and delete the results of batches finished longer ago than the results TTL."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import redis
 
 from jobs import keys
+from jobs.consumer import restore_ready
 from jobs.schemas import FINAL_BATCH_STATUSES
 from jobs.scripts import Scripts
-from jobs.store import delete_batch, expire_batch, retire_batch
+from jobs.store import delete_batch, expire_batch, priorities, retire_batch
+from jobs.submit import seal
+
+log = logging.getLogger(__name__)
 
 RESULTS_TTL = 30 * 24 * 3600.0  # seconds results are kept after their batch finished (as OpenAI's files)
+SUBMIT_STALL = 600.0  # seconds a batch may stay unsealed without a new chunk before it is sealed as it is
 DEADLINE_CHUNK = 1000
+SCAN_COUNT = 1000
 
 
 @dataclass
@@ -24,22 +31,26 @@ class HousekeepingReport:
     expired_jobs: int = 0
     retired: int = 0
     deleted: int = 0
+    sealed: int = 0  # batches whose submitter stopped sending before the last line
 
 
 def housekeep(r: redis.Redis, *, now: float | None = None, results_ttl: float = RESULTS_TTL,
-              max_batches: int = 1000) -> HousekeepingReport:
-    """One pass over open batches and old finished ones. Safe to run concurrently (every write is
-    idempotent), but ``housekeep_if_due`` avoids the duplicated work."""
+              submit_stall: float = SUBMIT_STALL) -> HousekeepingReport:
+    """One pass over every open batch and the finished ones past the TTL. Safe to run concurrently
+    (every write is idempotent), but ``housekeep_if_due`` avoids the duplicated work."""
     now = now if now is not None else time.time()
     rep = HousekeepingReport()
     s = Scripts(r)
-    for bid in r.zrange(keys.open_batches(), 0, max_batches - 1):
-        _open_batch(r, s, bid, now, rep)
-    old = r.zrangebyscore(keys.finished_batches(), "-inf", now - results_ttl, start=0, num=max_batches)
-    for bid in old:
-        delete_batch(r, bid)
-        rep.deleted += 1
-    return rep
+    # ZSCAN visits every member present for the whole scan, however many, in pages.
+    for bid, _ in r.zscan_iter(keys.open_batches(), count=SCAN_COUNT):
+        _open_batch(r, s, bid, now, rep, submit_stall)
+    while True:
+        old = r.zrangebyscore(keys.finished_batches(), "-inf", now - results_ttl, start=0, num=SCAN_COUNT)
+        for bid in old:
+            delete_batch(r, bid)
+            rep.deleted += 1
+        if len(old) < SCAN_COUNT:
+            return rep
 
 
 def housekeep_if_due(r: redis.Redis, owner: str, every: float, **kw: float) -> HousekeepingReport | None:
@@ -49,8 +60,14 @@ def housekeep_if_due(r: redis.Redis, owner: str, every: float, **kw: float) -> H
     return housekeep(r, **kw)
 
 
-def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: HousekeepingReport) -> None:
-    status, expires_at = r.hmget(keys.meta(bid), "status", "expires_at")
+def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: HousekeepingReport, stall: float) -> None:
+    status, expires_at, sealed, touched = r.hmget(keys.meta(bid), "status", "expires_at", "sealed", "touched_at")
+    if status in ("validating", "cancelling") and sealed != "1" and now - float(touched or 0) > stall:
+        # Its submitter died mid-upload (or the last write was lost): what was queued is the batch.
+        log.warning("sealing batch %s: no new lines for %.0fs, its submitter is gone", bid, stall)
+        seal(r, s, bid, now, reason=f"submission stopped: no new lines for {stall:.0f}s")
+        rep.sealed += 1
+        return
     if status is None:
         r.zrem(keys.open_batches(), bid)
     elif status in FINAL_BATCH_STATUSES:
@@ -60,6 +77,8 @@ def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: Housekeep
         rep.expired_batches += expire_batch(r, bid, now)
     else:
         rep.expired_jobs += expire_due_jobs(r, s, bid, now)
+        model, created = r.hmget(keys.meta(bid), "model", "created_at")
+        restore_ready(r, model or "default", bid, priorities(r, bid), float(created or 0))
 
 
 def expire_due_jobs(r: redis.Redis, s: Scripts, bid: str, now: float) -> int:

@@ -116,12 +116,20 @@ def finished_batches() -> str:
 
 
 def active_streams(queue: str) -> str:
-    """Sorted set: a model's job streams that may still hold work; lower score is pulled first."""
+    """Sorted set: every job stream of a model's open batches (where pending jobs of dead workers are
+    looked for); lower score first."""
     return f"{PREFIX}:queue:{queue}:streams"
 
 
+def ready_streams(queue: str) -> str:
+    """Sorted set: a model's job streams that may hold undelivered jobs; lower score is pulled first.
+    A reader that finds one empty takes it out and reads it once more (jobs/consumer.py); a writer
+    adds it after every XADD. So an empty stream never hides one with work, however many there are."""
+    return f"{PREFIX}:queue:{queue}:ready"
+
+
 def cancels(queue: str) -> str:
-    """Stream of cancel events for a model's workers (fields: b = batch id, i = job idx or "")."""
+    """Stream of cancel events for a model's workers (fields in jobs/consumer.py: publish_cancel)."""
     return f"{PREFIX}:queue:{queue}:cancels"
 
 

@@ -9,9 +9,17 @@ from __future__ import annotations
 import functools
 import json
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -24,24 +32,34 @@ FINAL_BATCH_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"}
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
+MAX_TOKENS = 1 << 20
+MAX_TOKEN_ID = 2**31 - 1  # the vocabulary itself is checked when a worker admits the job
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
+MAX_STOP_IDS = 1024
+MAX_PRIORITY = 1000  # |priority|; keys.stream_score keeps creation order exact within this range
+MAX_DEADLINE = 1e11  # epoch seconds (year 5138): anything later is a unit mistake
+
+
 class SamplingParams(BaseModel):
     """Mirrors ``engine.sampling_params.SamplingParams`` field for field (the worker maps one onto the other)."""
 
     # Frozen and hashable: identical settings are validated once and shared by many jobs.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(256, ge=1)
-    min_tokens: int = Field(0, ge=0)
-    temperature: float = Field(0.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
-    repetition_penalty: float = Field(1.0, gt=0)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    # Every number bounded and finite, every list bounded: a value that validates must not crash a step.
+    max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a torch generator takes 64 bits (+ sample index)
+    repetition_penalty: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    stop: tuple[Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)], ...] = Field((), max_length=MAX_STOPS)
+    stop_token_ids: tuple[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)], ...] = Field((), max_length=MAX_STOP_IDS)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -115,8 +133,8 @@ class Job(BaseModel):
     echo: bool = False  # completions: the prompt's text leads the completion's
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
-    priority: int = 0  # higher is pulled first
-    deadline: float | None = None  # epoch seconds: not started by then -> expired
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
+    deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
 
     @model_validator(mode="after")
@@ -294,7 +312,13 @@ _SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages",
 
 def parse_line(text: str, line_no: int, defaults: SamplingParams | None = None, *,
                batch_id: str | None = None, idx: int = 0, created_at: float = 0.0) -> Job:
-    """One input line (OpenAI batch or simple) -> Job; raises LineError naming ``line_no``."""
+    """One input line (OpenAI batch or simple) -> Job; raises LineError naming ``line_no``. A line read
+    with ``errors="surrogateescape"`` that was not UTF-8 is rejected as such."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise LineError(line_no, "invalid_encoding", f"not UTF-8 (character {e.start + 1})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -522,11 +546,15 @@ def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], d
 def parse_deadline(v: Any) -> float:
     """Epoch seconds, or an ISO-8601 time (one without a zone is taken as UTC)."""
     if isinstance(v, int | float) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, str):
-        t = datetime.fromisoformat(v)
-        return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
-    raise ValueError("deadline must be epoch seconds or an ISO-8601 time")
+        t = float(v)
+    elif isinstance(v, str):
+        d = datetime.fromisoformat(v)
+        t = (d if d.tzinfo else d.replace(tzinfo=UTC)).timestamp()
+    else:
+        raise ValueError("deadline must be epoch seconds or an ISO-8601 time")
+    if not 0 <= t <= MAX_DEADLINE:  # NaN fails this too
+        raise ValueError(f"deadline must be epoch seconds between 0 and {MAX_DEADLINE:.0f}")
+    return t
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

@@ -110,15 +110,31 @@ end
 return {written, finish_if_done(KEYS[1], ARGV[1]), #due}
 """
 
-# Puts a delivered job back at the end of its stream for any worker (a draining worker's leftovers),
-# carrying the attempts it already had. KEYS: stream; ARGV: entry id, group, job JSON, attempts
-REQUEUE = """
-if redis.call('XACK', KEYS[1], ARGV[2], ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[1], '*', 'j', ARGV[3], 'a', ARGV[4])
-  redis.call('XDEL', KEYS[1], ARGV[1])
-  return 1
+# Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
+# A worker whose heartbeat lapsed may have lost its jobs to another; it must not touch them then.
+_OWNED = """
+local function owned(stream, group, id, consumer)
+  return #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 1
 end
-return 0
+"""
+
+# Puts a delivered job back at the end of its stream for any worker (a draining or sick worker's
+# leftovers), carrying the attempts it already had; only if we still hold it.
+# KEYS: stream; ARGV: entry id, group, job JSON, attempts, consumer -> 1 if put back
+REQUEUE = _OWNED + """
+if not owned(KEYS[1], ARGV[2], ARGV[1], ARGV[5]) then return 0 end
+redis.call('XACK', KEYS[1], ARGV[2], ARGV[1])
+redis.call('XADD', KEYS[1], '*', 'j', ARGV[3], 'a', ARGV[4])
+redis.call('XDEL', KEYS[1], ARGV[1])
+return 1
+"""
+
+# Counts one more delivery of a job its worker still holds (XCLAIM to itself bumps the counter).
+# KEYS: stream; ARGV: entry id, group, consumer -> 1 if counted, 0 if another worker has it
+BUMP = _OWNED + """
+if not owned(KEYS[1], ARGV[2], ARGV[1], ARGV[3]) then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, ARGV[1])
+return 1
 """
 
 # KEYS: meta; ARGV: now -> final batch status reached or ''
@@ -161,6 +177,7 @@ class Scripts:
         self.sweep = r.register_script(SWEEP)
         self.expire_due = r.register_script(EXPIRE_DUE)
         self.requeue = r.register_script(REQUEUE)
+        self.bump = r.register_script(BUMP)
         self.finish = r.register_script(FINISH)
         self.transition = r.register_script(TRANSITION)
 

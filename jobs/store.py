@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from jobs import keys
+from jobs.consumer import publish_cancel
 from jobs.schemas import (
     CHAT_URL,
     FINAL_BATCH_STATUSES,
@@ -126,6 +127,7 @@ def retire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> Non
     streams = [keys.jobs(batch_id, p) for p in priorities(r, batch_id)]
     if streams:
         pipe.zrem(keys.active_streams(model or "default"), *streams)
+        pipe.zrem(keys.ready_streams(model or "default"), *streams)
     pipe.execute()
 
 
@@ -153,6 +155,7 @@ def delete_batch(r: redis.Redis, batch_id: str) -> None:
         pipe.zrem(idx, batch_id)
     if prios:
         pipe.zrem(keys.active_streams(model), *(keys.jobs(batch_id, p) for p in prios))
+        pipe.zrem(keys.ready_streams(model), *(keys.jobs(batch_id, p) for p in prios))
     pipe.execute()
 
 
@@ -244,7 +247,7 @@ def cancel_batch(r: redis.Redis, batch_id: str) -> Batch | None:
         return None
     if old in ("validating", "in_progress", "cancelling"):
         meta = r.hmget(keys.meta(batch_id), "model", "total")
-        r.xadd(keys.cancels(meta[0] or "default"), {"b": batch_id, "i": ""}, maxlen=10_000, approximate=True)
+        publish_cancel(r, meta[0] or "default", batch_id, None, "cancelled")
         _sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
     return get_batch(r, batch_id)
 
@@ -259,7 +262,7 @@ def cancel_job(r: redis.Redis, batch_id: str, custom_id: str) -> bool:
     written, fin = sweep(s, batch_id, [int(idx)], "cancelled", "cancelled", "the job was cancelled", now)
     if written:
         model = r.hget(keys.meta(batch_id), "model") or "default"
-        r.xadd(keys.cancels(model), {"b": batch_id, "i": idx}, maxlen=10_000, approximate=True)
+        publish_cancel(r, model, batch_id, idx, "cancelled")
     if fin:
         retire_batch(r, batch_id, now)
     return bool(written)
@@ -273,7 +276,7 @@ def expire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> boo
     if old != "in_progress":
         return False
     meta = r.hmget(keys.meta(batch_id), "model", "total")
-    r.xadd(keys.cancels(meta[0] or "default"), {"b": batch_id, "i": ""}, maxlen=10_000, approximate=True)
+    publish_cancel(r, meta[0] or "default", batch_id, None, "expired")
     _sweep_all(r, s, batch_id, int(meta[1] or 0), "expired", "batch_expired", "the batch expired")
     return True
 
@@ -303,6 +306,15 @@ def queue_depth(r: redis.Redis, queue: str) -> int:
         if isinstance(length, int) and isinstance(pending, dict):
             depth += length - int(pending.get("pending") or 0)
     return depth
+
+
+def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:
+    """Jobs of a batch delivered to ``consumer`` and not yet acknowledged: what Redis says it holds."""
+    total = 0
+    for p in priorities(r, batch_id):
+        for c in r.xpending(keys.jobs(batch_id, p), keys.GROUP)["consumers"]:
+            total += int(c["pending"]) if c["name"] == consumer else 0
+    return total
 
 
 def list_workers(r: redis.Redis) -> list[dict[str, Any]]:

@@ -16,9 +16,11 @@ from typing import Any
 import redis
 
 from jobs import keys
+from jobs.consumer import mark_ready
 from jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
+    MAX_PRIORITY,
     Batch,
     Job,
     LineError,
@@ -28,10 +30,21 @@ from jobs.schemas import (
 )
 from jobs.scripts import Scripts, sweep, transition
 from jobs.server import connect
-from jobs.store import get_batch, retire_batch, served_queues
+from jobs.store import delete_batch, get_batch, retire_batch, served_queues
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
+FLUSH_EVERY = 30.0  # seconds a slow producer's lines wait at most: each flush also shows housekeeping we live
+
+
+class JobServerFull(redis.ResponseError):
+    """Redis refused a write for lack of memory (``maxmemory`` with ``noeviction``): nothing of the
+    batch was kept. The CLI exits with its job-server error code; the API answers 507."""
+
+
+def is_full(e: BaseException) -> bool:
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or (
+        isinstance(e, redis.ResponseError) and "maxmemory" in str(e))
 
 
 def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | None = None,
@@ -48,21 +61,30 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     ``on_complete`` (a Celery signature as a dict) is sent once when the batch ends (store.retire_batch).
     ``line_errors`` are lines a caller's own checks refused (the API's upload limits): recorded, not parsed.
     """
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
     sub.endpoint = endpoint
-    sub.create(completion_window, metadata, input_name, on_complete)
-    refused = {e.line: e for e in line_errors}
-    for line_no, text in enumerate(lines, 1):
-        if line_no in refused:
-            sub.reject(refused[line_no])
-        elif text.strip():
-            sub.add(line_no, text)
-        if sub.pending >= chunk and not sub.flush():
-            break  # cancelled while validating
-    sub.flush()
-    sub.wait()
-    return sub.finalize()
+    try:
+        sub.create(completion_window, metadata, input_name, on_complete)
+        refused = {e.line: e for e in line_errors}
+        for line_no, text in enumerate(lines, 1):
+            if line_no in refused:
+                sub.reject(refused[line_no])
+            elif text.strip():
+                sub.add(line_no, text)
+            due = sub.pending >= chunk or (sub.pending and time.time() - sub.flushed_at > FLUSH_EVERY)
+            if due and not sub.flush():
+                break  # cancelled while validating
+        sub.flush()
+        sub.wait()
+        return sub.finalize()
+    except redis.ResponseError as e:
+        if not is_full(e):
+            raise
+        sub.abandon()
+        raise JobServerFull(f"the job server is full (Redis maxmemory reached); nothing was queued: {e}") from None
 
 
 class UnknownModel(ValueError):
@@ -114,6 +136,7 @@ class _Submission:
         self.deadlines: dict[str, float] = {}
         self.errors: list[str] = []
         self.endpoint: str | None = None
+        self.flushed_at = self.now
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
                on_complete: dict[str, Any] | None = None) -> None:
@@ -121,7 +144,7 @@ class _Submission:
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
             "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
-            "invalid": 0, "priorities": "", "sealed": 0, "endpoint": self.endpoint or "",
+            "invalid": 0, "priorities": "", "sealed": 0, "endpoint": self.endpoint or "", "touched_at": self.now,
         }
         if on_complete is not None:  # with the batch from the start: it may end before submit returns
             fields["on_complete"] = json.dumps(on_complete)
@@ -180,6 +203,7 @@ class _Submission:
         """Send what is buffered; False when the batch was cancelled meanwhile."""
         p, bid = self.pipe, self.bid
         self.pipe = self.r.pipeline(transaction=False)
+        sent = list(self.chunks)
         for prio, args in self.chunks.items():
             self.scripts.enqueue(keys=[self.streams[prio], keys.custom_ids(bid), keys.job_custom_ids(bid)],
                                  args=args, client=p)
@@ -187,13 +211,16 @@ class _Submission:
             p.zadd(keys.deadlines(bid), self.deadlines)
         if self.errors:
             p.rpush(keys.line_errors(bid), *self.errors)
-        meta = {"total": self.total, "invalid": self.invalid}
+        self.flushed_at = time.time()
+        meta = {"total": self.total, "invalid": self.invalid, "touched_at": self.flushed_at}
         if self.new_streams:
             meta["priorities"] = ",".join(str(x) for x in self.streams)
         p.hset(keys.meta(bid), mapping=meta)
+        queue = self.model or "default"
         for prio in self.new_streams:
-            p.zadd(keys.active_streams(self.model or "default"),
-                   {self.streams[prio]: keys.stream_score(prio, self.now)})
+            p.zadd(keys.active_streams(queue), {self.streams[prio]: keys.stream_score(prio, self.now)})
+        for prio in sent:  # after the XADDs: a reader that just parked the stream sees it again
+            mark_ready(p, queue, self.streams[prio], keys.stream_score(prio, self.now))
         p.hget(keys.meta(bid), "status")
         self.pending = 0
         self.chunks, self.deadlines, self.errors, self.new_streams = {}, {}, [], []
@@ -209,27 +236,46 @@ class _Submission:
 
     def finalize(self) -> Batch:
         self.sender.shutdown()
-        now = time.time()
-        self.r.hset(keys.meta(self.bid), "sealed", 1)  # the total is final: the batch may finish now
-        if self.total == 0:
-            old = transition(self.scripts, self.bid, "failed", "failed_at", now, ("validating",))
-            if old == "validating":
-                retire_batch(self.r, self.bid, now)
-        else:
-            transition(self.scripts, self.bid, "in_progress", "in_progress_at", now, ("validating",))
-            if self.scripts.finish(keys=[keys.meta(self.bid)], args=[now]):
-                retire_batch(self.r, self.bid, now)  # workers were faster than the last flush
-            self._finish_cancel(now)
+        seal(self.r, self.scripts, self.bid, time.time())
         batch = get_batch(self.r, self.bid)
         assert batch is not None
         return batch
 
-    def _finish_cancel(self, now: float) -> None:
-        """A cancel that came while validating saw only part of the jobs: sweep them all now."""
-        if self.r.hget(keys.meta(self.bid), "status") != "cancelling":
-            return
-        for start in range(0, self.total, 1000):
-            _, fin = sweep(self.scripts, self.bid, list(range(start, min(start + 1000, self.total))),
-                           "cancelled", "batch_cancelled", "the batch was cancelled", now)
-            if fin:
-                retire_batch(self.r, self.bid, now)
+    def abandon(self) -> None:
+        """Redis is full: take back what was written (deletes free memory; they are allowed when full)."""
+        self.sender.shutdown(wait=True, cancel_futures=True)
+        try:
+            delete_batch(self.r, self.bid)
+        except redis.RedisError:
+            pass  # housekeeping fails a batch whose submitter is gone
+
+
+def seal(r: redis.Redis, scripts: Scripts, batch_id: str, now: float, reason: str = "") -> None:
+    """The batch's total is final: it may finish now. By its submitter after the last line, or by
+    housekeeping for a submitter that died (``reason`` then says so)."""
+    r.hset(keys.meta(batch_id), "sealed", 1)
+    total = int(r.hget(keys.meta(batch_id), "total") or 0)
+    if reason:
+        r.hset(keys.meta(batch_id), "seal_reason", reason)
+    if total == 0:
+        old = transition(scripts, batch_id, "failed", "failed_at", now, ("validating",))
+        if old in ("validating", "cancelling"):
+            if old == "cancelling":
+                transition(scripts, batch_id, "cancelled", "cancelled_at", now, ("cancelling",))
+            retire_batch(r, batch_id, now)
+        return
+    transition(scripts, batch_id, "in_progress", "in_progress_at", now, ("validating",))
+    if scripts.finish(keys=[keys.meta(batch_id)], args=[now]):
+        retire_batch(r, batch_id, now)  # workers were faster than the last flush
+    _finish_cancel(r, scripts, batch_id, total, now)
+
+
+def _finish_cancel(r: redis.Redis, scripts: Scripts, batch_id: str, total: int, now: float) -> None:
+    """A cancel that came while validating saw only part of the jobs: sweep them all now."""
+    if r.hget(keys.meta(batch_id), "status") != "cancelling":
+        return
+    for start in range(0, total, 1000):
+        _, fin = sweep(scripts, batch_id, list(range(start, min(start + 1000, total))),
+                       "cancelled", "batch_cancelled", "the batch was cancelled", now)
+        if fin:
+            retire_batch(r, batch_id, now)

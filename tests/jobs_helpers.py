@@ -17,6 +17,7 @@ import redis
 
 from jobs import keys
 from jobs.schemas import Result
+from jobs.store import pending_under
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +46,7 @@ def result_entries(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:
 
 def held_by(r: redis.Redis, batch_id: str, consumer: str) -> int:
     """Pending entries of ``consumer`` over the batch's job streams: what Redis says it holds."""
-    total = 0
-    for p in (r.hget(keys.meta(batch_id), "priorities") or "").split(","):
-        if p:
-            for c in r.xpending(keys.jobs(batch_id, int(p)), keys.GROUP)["consumers"]:
-                total += int(c["pending"]) if c["name"] == consumer else 0
-    return total
+    return pending_under(r, batch_id, consumer)
 
 
 def assert_exactly_once(r: redis.Redis, batch_id: str, total: int) -> list[dict[str, Any]]:

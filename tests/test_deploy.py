@@ -51,6 +51,8 @@ def test_redis_is_durable_and_healthchecked(compose: dict[str, Any]) -> None:
     opts = dict(zip(args[1::2], args[2::2], strict=False))  # valkey-server --name value ...
     assert opts["--appendonly"] == "yes" and opts["--appendfsync"] == "everysec"
     assert opts["--maxmemory-policy"] == "noeviction"  # an evicted job would be lost silently
+    # Bounded, so "full" is an error the submitter sees, not the host running out of memory.
+    assert re.fullmatch(r"\$\{SLUICE_REDIS_MAXMEMORY:-\d+[kmg]b\}", opts["--maxmemory"])
     assert "ping" in redis["healthcheck"]["test"]
     assert f"redis-data:{opts['--dir']}" in redis["volumes"]
     assert "redis-data" in compose["volumes"]

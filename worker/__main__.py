@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from dataclasses import asdict
 
 from jobs.units import parse_size
+from worker.isolation import EngineSick
 from worker.worker import run_worker
+
+EXIT_ENGINE_SICK = 3  # the engine fails even alone: a supervisor (compose, systemd) should restart us
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,9 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = {k: v for k, v in {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "kv_cache_memory": a.kv_cache_memory,
                                 "max_num_batched_tokens": a.max_num_batched_tokens}.items() if v is not None}
-    report = run_worker(a.model, queue=a.queue, worker_id=a.worker_id, redis_url=a.redis_url, lookahead=a.lookahead,
-                        max_deliveries=a.max_deliveries, heartbeat_ttl=a.heartbeat_ttl, grace_period=a.grace_period,
-                        metrics_port=a.metrics_port, exit_when_idle=a.exit_when_idle, **engine)
+    try:
+        report = run_worker(a.model, queue=a.queue, worker_id=a.worker_id, redis_url=a.redis_url,
+                            lookahead=a.lookahead, max_deliveries=a.max_deliveries, heartbeat_ttl=a.heartbeat_ttl,
+                            grace_period=a.grace_period, metrics_port=a.metrics_port,
+                            exit_when_idle=a.exit_when_idle, **engine)
+    except EngineSick as e:
+        logging.getLogger("worker").error("exiting: %s; its jobs were handed back to the queue", e)
+        sys.exit(EXIT_ENGINE_SICK)
     print(json.dumps(asdict(report)))
 
 

@@ -28,10 +28,12 @@ from jobs.schemas import (
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
-def job_to_request(job: Job, request_id: str | None = None) -> Request:
+def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | None = None) -> Request:
     """The engine request of a job (id: ``request_id``, else the job's id, else its custom_id).
-    Raises ValueError for settings the engine refuses."""
+    Raises ValueError for settings the engine refuses, and token ids outside ``vocab_size``."""
     p = job.params
+    if vocab_size is not None and any(t >= vocab_size for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
     params = EngineParams(**{**p.model_dump(), "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
                              "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,

@@ -40,8 +40,9 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         output_path.write_text("")
         if not combined:
             errors_path.unlink(missing_ok=True)
+    # Undecodable bytes kept as escapes: that line fails as not UTF-8, the rest runs.
     with output_path.open("a") as out, (nullcontext(out) if combined else _LazyFile(errors_path)) as err, \
-            input_path.open() as src:
+            input_path.open(encoding="utf-8", errors="surrogateescape") as src:
         jobs = list(_read_jobs(src, defaults, done, err, summary))
         if not jobs:
             return summary

@@ -32,6 +32,8 @@ class WorkerMetrics:
         self.kv_total = gauge("sluice_kv_blocks_capacity", "KV cache blocks in all")
         self.outbox = gauge("sluice_outbox_results", "Finished results not yet written (the job server unreachable)")
         self.redis_up = gauge("sluice_job_server_up", "1 while the job server (Redis) answers")
+        self.write_errors = Counter("sluice_result_write_errors", "Result writes the job server refused (held and "
+                                    "retried)", list(labels), registry=self.registry).labels(**labels)
         self.tokens = Counter("sluice_generated_tokens", "Generated tokens", list(labels),
                               registry=self.registry).labels(**labels)
         self.jobs = Counter("sluice_jobs", "Job outcomes written by this worker", [*labels, "status"],

@@ -1,9 +1,10 @@
 """The worker loop: pull jobs the KV cache can take -> engine.step() -> write each finished job at once.
 
-One process per accelerator. Besides the loop: heartbeats, claiming the pending jobs of workers whose
-heartbeat is gone (and its own, after a restart), dead-lettering jobs delivered too often, aborting
-cancelled jobs before the next step, a graceful drain on SIGTERM, and generating on while Redis is
-away (results are held and written on reconnect).
+One process per accelerator. Besides the loop: claiming the pending jobs of workers whose heartbeat
+is gone (and its own, after a restart), dead-lettering jobs delivered too often, aborting cancelled
+jobs before the next step, a graceful drain on SIGTERM, and generating on while Redis is away (results
+are held and written on reconnect). The Redis protocol is jobs/consumer.py's; the heartbeat
+(worker/heartbeat.py) and failure isolation (worker/isolation.py) are units of their own.
 """
 
 from __future__ import annotations
@@ -16,64 +17,34 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+import redis
 
-from jobs import keys
+from jobs import consumer, keys
+from jobs.consumer import CancelEvent, Delivery, Outcome, Pulled
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.server import connect
 from jobs.store import queue_depth
-from worker.convert import bare_result, completion_to_result, job_to_request
+from worker import outcomes
+from worker.cancel_feed import CancelFeed
+from worker.convert import completion_to_result, job_to_request
+from worker.heartbeat import Heartbeat
+from worker.identity import take_identity
+from worker.isolation import EngineSick, Isolation
 from worker.link import Link
 from worker.metrics import WorkerMetrics
-from worker.puller import Delivery, Puller, default_lookahead
-from worker.writer import REDIS_DOWN, Outcome, Writer
+from worker.options import WorkerOptions, WorkerReport
+from worker.puller import Puller, default_lookahead
+from worker.writer import REDIS_DOWN, WriteHeld, Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
 DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
-CANCEL_BLOCK_MS = 250  # the cancel listener's blocking read; also how long it takes to notice a stop
-
-
-@dataclass
-class WorkerOptions:
-    queue: str
-    worker_id: str | None = None  # default: "<host>/<device>", suffixed -2, -3... while taken
-    redis_url: str | None = None  # default: SLUICE_REDIS_URL, else the embedded server
-    lookahead: int | None = None  # default: 10% of max_num_seqs, at least 2
-    max_deliveries: int = 3
-    heartbeat_ttl: float = 10.0
-    claim_interval: float | None = None  # default: heartbeat_ttl / 2
-    grace_period: float = 30.0
-    metrics_port: int | None = None
-    housekeeping_interval: float = 30.0
-    results_ttl: float = RESULTS_TTL
-    poll_interval: float = 0.05  # idle wait between looks at the queue
-    exit_when_idle: float | None = None  # stop after this many seconds with nothing to do
-
-
-@dataclass
-class WorkerReport:
-    worker_id: str = ""
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    expired: int = 0
-    dead_lettered: int = 0
-    released: int = 0  # handed back to the queue at shutdown
-    claimed: int = 0
-    tokens: int = 0
-    steps: int = 0
-    step_failures: int = 0
-    max_held: int = 0
-    wall_s: float = 0.0
+HELD_BACKOFF_MAX = 5.0  # seconds between retries of outcomes that got an error reply
 
 
 @dataclass
@@ -96,7 +67,6 @@ def default_worker_id(llm: Any) -> str:
 
 @dataclass
 class _Timers:
-    heartbeat: float = 0.0
     claim: float = 0.0
     housekeeping: float = 0.0
     depth: float = 0.0
@@ -113,23 +83,27 @@ class Worker:
         cfg = getattr(llm, "config", None)
         max_seqs = getattr(cfg, "max_num_seqs", 256)
         self.link = Link(opts.redis_url)
-        self.id = self._take_identity(opts.worker_id or default_worker_id(llm), explicit=opts.worker_id is not None)
+        self.id = take_identity(self.link.r, opts.worker_id or default_worker_id(llm), opts.worker_id is not None,
+                                self._beat, opts.heartbeat_ttl)
         lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
         self.block_size = getattr(cfg, "block_size", 16)
+        self.vocab_size: int | None = getattr(getattr(llm, "hf_config", None), "vocab_size", None)
         self.puller = Puller(opts.queue, self.id, max_seqs, lookahead, self.block_size)
         self.writer = Writer()
         self.metrics = WorkerMetrics(opts.queue, self.id)
         self.report = WorkerReport(worker_id=self.id)
         self.held: dict[str, Held] = {}  # job id -> Held
         self.by_rid: dict[str, Held] = {}  # engine request id -> Held
-        self.suspects: deque[Held] = deque()  # jobs of a failed step, to rerun one at a time
+        self.iso: Isolation[Held] = Isolation()
         self.to_release: list[Held] = []  # aborted at shutdown, not yet handed back to the queue
-        self.isolating: Held | None = None
         self.rids = itertools.count()
         self.t = _Timers()
         self.claim_every = opts.claim_interval or opts.heartbeat_ttl / 2
-        self.cancel_cursor = self._latest_cancel()
-        self.cancel_events: deque[tuple[str, str | None, str]] = deque()  # filled by the cancel listener
+        self.cancels = CancelFeed(self.link, opts.queue, REDIS_DOWN)
+        self.heartbeat = Heartbeat(self.link, self.id, lambda: self._beat(self.id), opts.heartbeat_ttl,
+                                   opts.stall_after, REDIS_DOWN)
+        self.held_backoff = 0.0
+        self.refusing = False  # the last round trip got an error reply
         self._wake = threading.Event()  # outcomes to write
         self._bg_stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -138,35 +112,7 @@ class Worker:
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
 
-    # ---- identity and heartbeat ------------------------------------------------------------------
-    def _take_identity(self, base: str, explicit: bool) -> str:
-        """A worker id no live worker holds. Our own id, left by a dead process of this host, is taken
-        over at once, so a restarted worker picks up its own pending jobs."""
-        for n in itertools.count(1):
-            wid = base if n == 1 else f"{base}-{n}"
-            if self._try_heartbeat(wid, wait=explicit):
-                return wid
-            if explicit:
-                raise ValueError(f"worker id {wid!r} is held by a live worker; pick another --worker-id")
-        raise AssertionError("unreachable")
-
-    def _try_heartbeat(self, wid: str, wait: bool) -> bool:
-        r, key = self.link.r, keys.heartbeat(wid)
-        deadline = time.monotonic() + (self.o.heartbeat_ttl + 1 if wait else 0)
-        while True:
-            if r.set(key, self._beat(wid), nx=True, px=self._ttl_ms()):
-                return True
-            holder = json.loads(r.get(key) or "null")
-            if holder is not None and holder.get("host") == socket.gethostname() and not _pid_alive(holder["pid"]):
-                r.set(key, self._beat(wid), px=self._ttl_ms())
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-
-    def _ttl_ms(self) -> int:
-        return int(self.o.heartbeat_ttl * 1000)
-
+    # ---- heartbeat -------------------------------------------------------------------------------
     def _beat(self, wid: str) -> str:
         llm = self.llm
         return json.dumps({
@@ -176,13 +122,6 @@ class Worker:
             "draining": getattr(self, "draining", False),
         })
 
-    def _heartbeat(self) -> None:
-        self.link.r.set(keys.heartbeat(self.id), self._beat(self.id), px=self._ttl_ms())
-
-    def _latest_cancel(self) -> str:
-        last = self.link.r.xrevrange(keys.cancels(self.o.queue), count=1)
-        return last[0][0] if last else "0-0"
-
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
         self._install_signals()
@@ -190,24 +129,27 @@ class Worker:
             self.metrics.serve(self.o.metrics_port)
         log.info("worker %s on queue %r: %s model implementation, %d KV blocks, holds at most %d jobs", self.id,
                  self.o.queue, self.llm.model_impl, self.llm.num_total_blocks, self.puller.max_held)
-        # Writing results and cancel news happen beside the step loop, so a step never waits on Redis.
-        for target in (self._background, self._listen_cancels):
-            t = threading.Thread(target=target, name=f"sluice-{target.__name__.strip('_')}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        # Writing results, cancel news and the heartbeat happen beside the step loop, so a step never
+        # waits on Redis, and a long step does not look like a dead worker.
+        self.heartbeat.start()
+        self.cancels.start()
+        t = threading.Thread(target=self._background, name="sluice-writer", daemon=True)
+        t.start()
+        self._threads.append(t)
         try:
             while not self._finished():
                 self._tick()
         finally:
             self._close()
         self.report.wall_s = time.monotonic() - self.started
+        if self.report.sick:
+            raise EngineSick(self.report.sick)
         return self.report
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        if now >= self.t.heartbeat:  # from this loop, so a hung engine stops its heartbeat
-            self.t.heartbeat = now + self.o.heartbeat_ttl / 3
-            self._redis(self._heartbeat)
+        self.heartbeat.tick()
+        if self.heartbeat.lapsed.is_set():
+            self._redis(self._drop_lost)
         self._apply_cancels()
         if not self.draining:
             self._fill()
@@ -229,34 +171,21 @@ class Worker:
                     self._redis(self._flush)
                 if not stopping:
                     self._upkeep(time.monotonic())
+            except WriteHeld as e:
+                # Redis answered but refused (full, read-only, ...): keep the results and retry.
+                self.held_backoff = min(max(2 * self.held_backoff, 0.1), HELD_BACKOFF_MAX)
+                self.metrics.write_errors.inc()
+                log.error("results held, retrying in %.1fs: %s", self.held_backoff, e)
+                self._bg_stop.wait(self.held_backoff)
             except Exception:  # noqa: BLE001 - this thread must not die: results would never be written
                 log.exception("background writer")
                 time.sleep(0.5)
             if stopping:
                 return
 
-    def _listen_cancels(self) -> None:
-        """Block on the queue's cancel stream; the step loop applies what arrives before its next step."""
-        key, client, url = keys.cancels(self.o.queue), None, None
-        while not self._bg_stop.is_set():
-            try:
-                if client is None or url != self.link.url:
-                    url = self.link.url
-                    client = connect(url, retry=Retry(NoBackoff(), 0), socket_timeout=5.0, socket_connect_timeout=1.0)
-                got = client.xread({key: self.cancel_cursor}, count=256, block=CANCEL_BLOCK_MS)
-            except REDIS_DOWN:
-                time.sleep(0.2)
-                continue
-            for _, entries in got or []:
-                for eid, f in entries:
-                    self.cancel_cursor = eid
-                    self.cancel_events.append((f["b"], f.get("i") or None, f.get("s") or "cancelled"))
-        if client is not None:
-            client.close()
-
     def _apply_cancels(self) -> None:
-        while self.cancel_events:
-            self._cancel(*self.cancel_events.popleft())
+        for ev in self.cancels.take():
+            self._cancel(ev)
 
     def _redis(self, fn: Callable[..., T], *args: Any) -> T | None:
         """Run a Redis round trip unless Redis is down; note whether it answered."""
@@ -267,8 +196,15 @@ class Worker:
         except REDIS_DOWN as e:
             self.link.failed(e)
             return None
+        except redis.ResponseError as e:
+            # Reachable but refusing (full, read-only replica, ...): skip this round trip, try again later.
+            if not self.refusing:
+                log.error("Redis refused a request (retrying on the next tick): %s", e)
+            self.refusing = True
+            return None
+        self.refusing = False
         if self.link.succeeded():
-            self._redis(self._heartbeat)
+            self._redis(self.heartbeat.beat_now)
         return out
 
     def _upkeep(self, now: float) -> None:
@@ -294,12 +230,9 @@ class Worker:
 
     # ---- taking jobs -----------------------------------------------------------------------------
     def _fill(self) -> None:
-        if self.isolating is not None:
-            return
-        if self.suspects:
+        if self.iso.active:
             if not self.llm.has_unfinished():
-                self.isolating = self.suspects.popleft()
-                self._start(self.isolating)
+                self._next_isolated()
             return
         llm = self.llm
         # Finished jobs stay pending in Redis until their outcome is written: they count as held.
@@ -317,32 +250,29 @@ class Worker:
         if now >= self.t.claim:
             self.t.claim = now + self.claim_every
             held_entries = {h.d.entry_id for h in self.held.values()} | self.writer.entry_ids()
-            got = self.puller.claim(r, n, held_entries)
-            self.report.claimed += len(got)
+            claimed = self.puller.claim(r, n, held_entries)
+            self.report.claimed += len(claimed.deliveries)
+            got = self._unreadable(claimed)
         if len(got) < n:
-            got += self.puller.read(r, n - len(got))
+            got += self._unreadable(self.puller.read(r, n - len(got)))
         return self._screen(got) if got else []
+
+    def _unreadable(self, p: Pulled) -> list[Delivery]:
+        """Entries that are not jobs get a failed outcome (their batch can then finish); the jobs are returned."""
+        for u in p.unreadable:
+            if u.idx is None:
+                consumer.drop(self.link.r, u)
+                continue
+            log.error("job %s:%s is unreadable: %s", u.batch_id, u.idx, u.reason)
+            self.writer.add(outcomes.unreadable(u, self.id, self.o.queue))
+        return p.deliveries
 
     def _screen(self, ds: list[Delivery]) -> list[Delivery]:
         """Settle at once the jobs that must not run (outcome already written, batch cancelled or
         expired, deadline passed, delivered too often); return the rest."""
-        r = self.link.r
-        pipe = r.pipeline(transaction=False)
-        for d in ds:
-            bid, idx = d.job.batch_id, d.job.idx
-            pipe.hexists(keys.done(bid), idx)
-            pipe.hget(keys.meta(bid), "status")
-            pipe.zrem(keys.deadlines(bid), idx)  # starting it: housekeeping may no longer expire it
-            pipe.hget(keys.last_errors(bid), idx)
-        replies = pipe.execute()
         now = time.time()
-        keep = []
-        for i, d in enumerate(ds):
-            done, status, _, last_error = replies[4 * i: 4 * i + 4]
-            verdict = self._verdict(d, bool(done), status, last_error, now)
-            if verdict is None:
-                keep.append(d)
-        return keep
+        return [d for d, (done, status, last_error) in zip(ds, consumer.screen(self.link.r, ds), strict=True)
+                if self._verdict(d, done, status, last_error, now) is None]
 
     def _verdict(self, d: Delivery, done: bool, status: str | None, last_error: str | None, now: float) -> str | None:
         """Why ``d`` is not to run (its outcome is queued here), or None."""
@@ -371,23 +301,36 @@ class Worker:
     def _start(self, h: Held) -> None:
         rid = f"{h.job.id}#{next(self.rids)}"
         try:
-            req = job_to_request(h.job, rid)
+            req = job_to_request(h.job, rid, self.vocab_size)
         except ValueError as e:
             self._forget(h)
             self._settle(h.d, "failed", "invalid_request", str(e))
             return
         try:
             self.llm.add_request(req)
-        except Exception as e:  # noqa: BLE001 - whatever the engine raises, it is this job's failure
+        except Exception as e:  # noqa: BLE001 - this job's failure, unless a probe fails too (isolation)
             log.exception("the engine refused job %s", h.job.id)
-            self._attempt_failed(h, e)
+            self.iso.failed_alone(h, e)
             return
         h.rid = rid
         self.by_rid[rid] = h
 
+    def _next_isolated(self) -> None:
+        """With the engine idle: the probe if a job stands accused, else the next suspect alone."""
+        probe = self.iso.next_probe()
+        if probe is not None:
+            try:
+                self.llm.add_request(probe)
+            except Exception as e:  # noqa: BLE001
+                self._sick(e)
+            return
+        h = self.iso.next_alone()
+        if h is not None:
+            self._start(h)
+
     # ---- stepping --------------------------------------------------------------------------------
     def _step(self) -> bool:
-        if not self.llm.has_unfinished():
+        if self.report.sick or not self.llm.has_unfinished():
             return False
         try:
             done = self.llm.step()
@@ -400,6 +343,9 @@ class Worker:
         return True
 
     def _completed(self, c: Any) -> None:
+        if c.request_id == self.iso.probe_rid:
+            self._probe_passed()
+            return
         h = self.by_rid.pop(c.request_id, None)
         if h is None:
             return  # aborted meanwhile
@@ -416,33 +362,50 @@ class Worker:
 
     def _step_failed(self, e: Exception) -> None:
         self.report.step_failures += 1
-        if self.isolating is not None:
-            h, self.isolating = self.isolating, None
-            log.error("job %s failed the engine step on its own: %s", h.job.id, e)
+        if self.iso.probe_rid is not None:
+            self._sick(e)
+            return
+        h = self.iso.alone
+        if h is not None:
+            log.error("job %s failed the engine step on its own: %s; probing the engine", h.job.id, e)
             self._abort(h)
-            self._attempt_failed(h, e)
+            self.iso.failed_alone(h, e)
             return
         log.exception("an engine step failed; rerunning its %d jobs one at a time", len(self.by_rid))
         victims = list(self.by_rid.values())
         for h in victims:
             self._abort(h)
-        self.suspects.extend(victims)
+        self.iso.step_failed(victims)
+
+    def _probe_passed(self) -> None:
+        accused = self.iso.probe_passed()
+        if accused is not None and accused.held.job.id in self.held:
+            self._attempt_failed(accused.held, accused.error)
+
+    def _sick(self, e: BaseException) -> None:
+        """Even our probe fails alone: the engine, not the jobs. Hand every job back uncharged and exit."""
+        self.report.sick = f"the engine fails a probe request on its own: {type(e).__name__}: {e}"
+        log.error("engine sick, handing back %d jobs and exiting: %s", len(self.held), self.report.sick)
+        self.iso.clear()
+        self.by_rid.clear()  # no aborts: the engine is not to be trusted with anything more
+        self.stop_event.set()
+        self._begin_drain(time.monotonic())
+        self.drain_deadline = time.monotonic()  # hand back at once; results already made still get written
 
     def _attempt_failed(self, h: Held, e: BaseException) -> None:
-        """This job made the engine fail: retry it alone, or dead-letter it after max_deliveries."""
+        """This job made a working engine fail: retry it alone, or dead-letter it after max_deliveries."""
         msg = f"{type(e).__name__}: {e}"
-        bid, idx = h.job.batch_id, h.job.idx
-        if self.isolating is h:
-            self.isolating = None
-        self._redis(lambda: self.link.r.hset(keys.last_errors(bid), idx, msg))
+        self._redis(consumer.note_error, self.link.r, h.d, msg)
         if h.d.deliveries >= self.o.max_deliveries:
             self._forget(h)
             self._dead_letter(h.d, msg)
             return
+        # Counted in Redis too, so the tally survives a crash of this worker; fenced: not if it was taken.
+        if self._redis(consumer.count_attempt, self.link.r, self.link.scripts, h.d, self.id) is False:
+            self._lose(h)
+            return
         h.d.deliveries += 1
-        # Counted in Redis too, so the tally survives a crash of this worker.
-        self._redis(lambda: self.link.r.xclaim(h.d.stream, keys.GROUP, self.id, 0, [h.d.entry_id]))
-        self.suspects.appendleft(h)
+        self.iso.retry_first(h)
 
     def _abort(self, h: Held) -> None:
         if h.rid is None:
@@ -464,32 +427,36 @@ class Worker:
         self.llm = self.llm_factory()
         for h in survivors:
             h.rid = None
-            self.suspects.append(h)
+        self.iso.step_failed(survivors)
 
     def _forget(self, h: Held) -> None:
         self.held.pop(h.job.id, None)
         if h.rid is not None:
             self.by_rid.pop(h.rid, None)
-        if self.isolating is h:
-            self.isolating = None
-        if h in self.suspects:
-            self.suspects.remove(h)
+        self.iso.discard(h)
+
+    def _lose(self, h: Held) -> None:
+        """Another worker took this job while our heartbeat had lapsed: it is theirs now."""
+        self._abort(h)
+        self._forget(h)
+        self.report.lost += 1
+
+    def _drop_lost(self) -> None:
+        self.heartbeat.lapsed.clear()
+        held = list(self.held.values())
+        lost = [h for h, mine in zip(held, consumer.still_held(self.link.r, self.id, [h.d for h in held]), strict=True)
+                if not mine]
+        for h in lost:
+            self._lose(h)
+        log.warning("heartbeat had lapsed: %d of %d held jobs were taken by other workers", len(lost), len(held))
 
     # ---- outcomes --------------------------------------------------------------------------------
     def _settle(self, d: Delivery, status: str, code: str, message: str) -> None:
-        res = bare_result(d.job, status, code, message, self.id, self.o.queue)
-        self.writer.add(Outcome(d.job.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True),
-                                d.stream, d.entry_id))
+        self.writer.add(outcomes.settled(d, status, code, message, self.id, self.o.queue))
 
     def _dead_letter(self, d: Delivery, error: str) -> None:
         log.error("dead-lettering job %s after %d deliveries: %s", d.job.id, d.deliveries, error)
-        message = f"gave up after {d.deliveries} deliveries; last error: {error}"
-        res = bare_result(d.job, "failed", "dead_letter", message, self.id, self.o.queue)
-        dead = json.dumps({"idx": d.job.idx, "custom_id": d.job.custom_id, "error": error,
-                           "deliveries": d.deliveries, "worker": self.id,
-                           "job": d.job.model_dump(mode="json", exclude_none=True)})
-        self.writer.add(Outcome(d.job.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True),
-                                d.stream, d.entry_id, dead))
+        self.writer.add(outcomes.dead_letter(d, error, self.id, self.o.queue))
         self.report.dead_lettered += 1
 
     def _flush(self) -> None:
@@ -498,16 +465,17 @@ class Worker:
                 setattr(self.report, w.outcome.status, getattr(self.report, w.outcome.status) + 1)
 
     # ---- cancels ---------------------------------------------------------------------------------
-    def _cancel(self, batch_id: str, idx: str | None, status: str) -> None:
+    def _cancel(self, ev: CancelEvent) -> None:
         hit = [h for h in self.held.values()
-               if h.job.batch_id == batch_id and (idx is None or h.job.idx == int(idx))]
+               if h.job.batch_id == ev.batch_id and (ev.idx is None or h.job.idx == ev.idx)]
+        one = ev.idx is not None
         for h in hit:
             self._abort(h)  # frees its KV blocks before the next step
             self._forget(h)
-            code = "batch_expired" if status == "expired" else ("cancelled" if idx else "batch_cancelled")
-            self._settle(h.d, status, code, f"the {'job' if idx else 'batch'} was {status}")
+            code = "batch_expired" if ev.status == "expired" else ("cancelled" if one else "batch_cancelled")
+            self._settle(h.d, ev.status, code, f"the {'job' if one else 'batch'} was {ev.status}")
         if hit:
-            log.info("aborted %d jobs of %s (%s)", len(hit), batch_id, status)
+            log.info("aborted %d jobs of %s (%s)", len(hit), ev.batch_id, ev.status)
 
     # ---- stopping --------------------------------------------------------------------------------
     def _finished(self) -> bool:
@@ -535,17 +503,17 @@ class Worker:
         """Hand unfinished jobs back to the queue for other workers (not counted as attempts)."""
         left = list(self.held.values())
         for h in left:
-            self._abort(h)
+            if not self.report.sick:
+                self._abort(h)
             self._forget(h)
-        self.suspects.clear()
+        self.iso.clear()
         self.to_release += left
         log.info("releasing %d unfinished jobs", len(left))
 
     def _requeue(self) -> None:
         pipe = self.link.r.pipeline(transaction=False)
         for h in self.to_release:
-            self.link.scripts.requeue(keys=[h.d.stream], client=pipe, args=[
-                h.d.entry_id, keys.GROUP, h.job.model_dump_json(exclude_none=True), h.d.deliveries - 1])
+            consumer.requeue(self.link.scripts, pipe, h.d, self.id, self.o.queue)
         pipe.execute()
         self.report.released += len(self.to_release)
         self.to_release = []
@@ -567,22 +535,13 @@ class Worker:
         self._wake.set()
         for t in self._threads:
             t.join(timeout=FLUSH_AFTER_GRACE)
+        self.cancels.stop(FLUSH_AFTER_GRACE)
+        self.heartbeat.stop()
         for sig, old in self._old_signals.items():
             signal.signal(sig, old)
-        # Gone at once, so other workers may claim whatever we still held without waiting out the TTL.
-        self._redis(lambda: self.link.r.delete(keys.heartbeat(self.id)))
+        self._redis(consumer.sign_off, self.link.r, self.id)
         self.metrics.close()
         self.link.r.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def run_worker(model: str | None = None, *, queue: str | None = None, stop_event: threading.Event | None = None,

@@ -1,8 +1,10 @@
 """Writes each job's outcome: one atomic script per job (result + counters + results stream + XACK).
 
-Outcomes wait in an in-memory outbox until written, in completion order; when Redis is unreachable
-they stay there and go out on reconnect. A retried write is harmless: the script does nothing but
-the XACK for a job that already has its outcome.
+Outcomes wait in an in-memory outbox until written, in completion order. A finished result is dropped
+only when the write proves moot (its batch is gone); any other failure, an unreachable server or an
+error reply (OOM under maxmemory, READONLY after a failover, NOSCRIPT after a flush), keeps it held
+and retried with backoff. A retried write is harmless: the script does nothing but the XACK for a
+job that already has its outcome.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from itertools import islice
 
 import redis
 
-from jobs import keys
+from jobs.consumer import Outcome, batch_exists, record
 from jobs.scripts import Scripts
 from jobs.store import retire_batch
 
@@ -24,22 +26,17 @@ log = logging.getLogger(__name__)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # BusyLoadingError is a ConnectionError
 CHUNK = 256  # outcomes per pipeline round trip
 
-
-@dataclass
-class Outcome:
-    batch_id: str
-    idx: int
-    status: str  # completed | failed | cancelled | expired
-    result_json: str
-    stream: str = ""  # the job stream entry to acknowledge ("" for none)
-    entry_id: str = ""
-    dead_json: str = ""  # set for a dead-lettered job
+__all__ = ["CHUNK", "REDIS_DOWN", "Outcome", "WriteHeld", "Writer", "Written"]
 
 
 @dataclass
 class Written:
     outcome: Outcome
     fresh: bool  # False: the job already had its outcome (a redelivery, or cancelled meanwhile)
+
+
+class WriteHeld(Exception):
+    """Some outcomes got an error reply and stay held, to be retried (the first error is the message)."""
 
 
 class Writer:
@@ -62,19 +59,30 @@ class Writer:
             return {o.entry_id for o in self.outbox if o.entry_id}
 
     def flush(self, r: redis.Redis, scripts: Scripts, now: float) -> list[Written]:
-        """Write everything held, oldest first. Raises REDIS_DOWN with the unwritten rest still held."""
+        """Write everything held, oldest first. Raises REDIS_DOWN with the unwritten rest still held, and
+        WriteHeld after writing what could be when some got error replies (those stay held, in order)."""
         written: list[Written] = []
-        while self.outbox:
-            with self._lock:
-                chunk = list(islice(self.outbox, CHUNK))
-            pipe = r.pipeline(transaction=False)
-            for o in chunk:
-                _record(scripts, pipe, o, now)
-            replies = pipe.execute(raise_on_error=False)
-            written.extend(self._settle(r, chunk, replies, now))
+        kept: list[tuple[Outcome, Exception]] = []
+        try:
+            while self.outbox:
+                with self._lock:
+                    chunk = list(islice(self.outbox, CHUNK))
+                pipe = r.pipeline(transaction=False)
+                for o in chunk:
+                    record(scripts, pipe, o, now)
+                replies = pipe.execute(raise_on_error=False)
+                written.extend(self._settle(r, chunk, replies, now, kept))
+        finally:
+            if kept:
+                with self._lock:
+                    self.outbox.extendleft(o for o, _ in reversed(kept))
+        if kept:
+            o, e = kept[0]
+            raise WriteHeld(f"{len(kept)} outcomes held, e.g. {o.batch_id}:{o.idx}: {type(e).__name__}: {e}")
         return written
 
-    def _settle(self, r: redis.Redis, chunk: list[Outcome], replies: list[object], now: float) -> list[Written]:
+    def _settle(self, r: redis.Redis, chunk: list[Outcome], replies: list[object], now: float,
+                kept: list[tuple[Outcome, Exception]]) -> list[Written]:
         out = []
         for o, reply in zip(chunk, replies, strict=True):
             if isinstance(reply, REDIS_DOWN):
@@ -82,8 +90,10 @@ class Writer:
             with self._lock:
                 self.outbox.popleft()
             if isinstance(reply, Exception):
-                # Not retryable (e.g. the batch was deleted meanwhile): retrying would loop forever.
-                log.error("writing the outcome of %s:%s failed: %s", o.batch_id, o.idx, reply)
+                if batch_exists(r, o.batch_id):
+                    kept.append((o, reply))
+                else:  # the batch was deleted meanwhile: nothing left to write it to
+                    log.warning("dropping the outcome of %s:%s, its batch is gone: %s", o.batch_id, o.idx, reply)
                 continue
             fresh, final = reply  # type: ignore[misc]
             out.append(Written(o, bool(fresh)))
@@ -92,15 +102,10 @@ class Writer:
         return out
 
 
-def _record(scripts: Scripts, pipe: redis.client.Pipeline, o: Outcome, now: float) -> None:
-    bid = o.batch_id
-    ks = [keys.meta(bid), keys.done(bid), keys.results(bid), o.stream or keys.meta(bid), keys.dead(bid)]
-    args = [o.idx, o.status, o.result_json, o.entry_id, o.dead_json, now, keys.GROUP]
-    scripts.record(keys=ks, args=args, client=pipe)
-
-
 def _retire(r: redis.Redis, batch_id: str, now: float) -> None:
     try:
         retire_batch(r, batch_id, now)
     except REDIS_DOWN:
         pass  # housekeeping retires final batches left in the open set
+    except redis.ResponseError as e:
+        log.warning("retiring %s failed (housekeeping retries it): %s", batch_id, e)

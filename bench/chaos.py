@@ -1,0 +1,247 @@
+"""Chaos run of the job plane: one batch through several worker processes while they are killed,
+paused and the job server restarts; then every promise is checked.
+
+    python bench/chaos.py --model /path/to/tiny-model                     # the long setting
+    python bench/chaos.py --model DIR --jobs 500 --kills 3 --seed 7       # tests/test_chaos.py's scale
+
+During the batch (``--jobs`` jobs, mixed priorities and lengths, ``--workers`` workers on ``--model``):
+kill -9 a random worker ``--kills`` times and restart it, restart the Valkey server once (AOF on,
+kill -9), SIGSTOP one worker for longer than the heartbeat TTL and SIGCONT it, and cancel another
+batch. Afterwards: every job of the batch has exactly one outcome, the counters equal the results
+stream, nothing is left pending, nothing was dead-lettered (no job here fails on its own), the batch
+is ``completed`` and the cancelled one ``cancelled``. Prints the seed, and a JSON summary as its last
+line; exits 1 on a broken promise. Uses ``SLUICE_HOME`` (a temporary one if unset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from jobs import keys  # noqa: E402
+from jobs.schemas import Result  # noqa: E402
+from jobs.server import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
+from jobs.store import cancel_batch, dead_letters, get_batch, pending_under  # noqa: E402
+from jobs.submit import submit  # noqa: E402
+
+QUEUE = "chaos"
+HEARTBEAT_TTL = 2.0
+WORDS = ["sluice", "river", "gate", "water", "stone", "mill", "wheel", "bank", "flow", "lock"]
+
+
+class Broken(AssertionError):
+    pass
+
+
+def lines(n: int, rng: random.Random, max_tokens: tuple[int, int], prefix: str) -> list[str]:
+    return [json.dumps({"custom_id": f"{prefix}{i}", "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30))),
+                        "max_tokens": rng.randint(*max_tokens), "ignore_eos": True, "priority": rng.randint(-3, 3)})
+            for i in range(n)]
+
+
+class Workers:
+    def __init__(self, model: str, n: int, logs: Path, max_num_seqs: int) -> None:
+        self.model, self.logs, self.max_num_seqs = model, logs, max_num_seqs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.starts: Counter[str] = Counter()
+        for i in range(n):
+            self.start(f"w{i}")
+
+    def up(self, wid: str) -> bool:
+        """The latest start of ``wid`` runs its loop (its signal handlers are in place)."""
+        log = (self.logs / f"{wid}.log").read_text(errors="replace")
+        return log.count(f"worker {wid} on queue") >= self.starts[wid] or self.procs[wid].poll() is not None
+
+    def start(self, wid: str) -> None:
+        self.starts[wid] += 1
+        cmd = [sys.executable, "-m", "worker", "--model", self.model, "--queue", QUEUE, "--dtype", "float32",
+               "--worker-id", wid, "--heartbeat-ttl", str(HEARTBEAT_TTL), "--max-deliveries", "10",
+               "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory", str(4 << 20)]
+        out = open(self.logs / f"{wid}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def stop(self) -> dict[str, int | None]:
+        wait_for(lambda: all(self.up(w) for w in self.procs), 300, "every worker up before stopping them")
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        codes = {}
+        for wid, p in self.procs.items():
+            try:
+                codes[wid] = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[wid] = p.wait()
+        return codes
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            got = cond()
+        except (redis.ConnectionError, redis.TimeoutError):
+            got = None
+        if got:
+            return got
+        time.sleep(0.1)
+    raise Broken(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def check(r: redis.Redis, batch_id: str, total: int, status: str) -> dict[str, int]:
+    """Exactly one outcome per job, counters equal to the results stream, nothing pending."""
+    results = [Result.model_validate_json(f["r"]) for _, f in r.xrange(keys.results(batch_id))]
+    idxs = Counter(x.idx for x in results)
+    if sorted(idxs) != list(range(total)) or max(idxs.values()) != 1:
+        raise Broken(f"{batch_id}: {len(results)} results for {total} jobs; twice: {[i for i, c in idxs.items() if c > 1]}")
+    meta = r.hgetall(keys.meta(batch_id))
+    by_status = Counter(x.status for x in results)
+    for s in ("completed", "failed", "cancelled", "expired"):
+        if int(meta.get(s) or 0) != by_status.get(s, 0):
+            raise Broken(f"{batch_id}: counter {s}={meta.get(s)} but {by_status.get(s, 0)} results")
+    if meta["status"] != status:
+        raise Broken(f"{batch_id}: status {meta['status']}, expected {status}")
+    for p in (meta.get("priorities") or "").split(","):
+        if p and (n := r.xpending(keys.jobs(batch_id, int(p)), keys.GROUP)["pending"]):
+            raise Broken(f"{batch_id}: {n} jobs left pending in priority {p}")
+    return dict(by_status)
+
+
+def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None:
+    rng = random.Random(args.seed)
+    ensure_server(home)
+    r = connect()
+    b = submit(lines(args.jobs, rng, (args.min_tokens, args.max_tokens), "j"), r=r, model=QUEUE)
+    workers = Workers(args.model, args.workers, home, args.max_num_seqs)
+    try:
+        _run(args, r, b, workers, summary)
+    finally:
+        workers.kill()  # whatever is still running after a broken promise
+
+
+def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, summary: dict[str, Any]) -> None:
+    home = workers.logs
+    rng = random.Random(args.seed + 1)
+    events: list[str] = summary.setdefault("events", [])
+    t0 = time.monotonic()
+
+    def done() -> int:
+        return r.hlen(keys.done(b.id))
+
+    def at(frac: float) -> None:
+        wait_for(lambda: done() >= frac * args.jobs, args.timeout, f"{frac:.0%} of the batch")
+
+    def busy_worker() -> str:
+        wids = list(workers.procs)
+        rng.shuffle(wids)
+        return wait_for(lambda: next((w for w in wids if pending_under(r, b.id, w) > 0), None), args.timeout, "a busy worker")
+
+    def kill() -> None:
+        wid = busy_worker()
+        workers.procs[wid].kill()
+        workers.procs[wid].wait()
+        events.append(f"{time.monotonic() - t0:.1f}s kill -9 {wid} holding jobs at {done()} done")
+        workers.start(wid)
+
+    victim = None
+    plan = ["kill", "cancel", "stop", "kill", "restart_server", "kill"] + ["kill"] * max(0, args.kills - 3)
+    steps = len(plan) + 1
+    for i, ev in enumerate(plan):
+        at((i + 1) / steps * 0.9)
+        if ev == "kill":
+            kill()
+        elif ev == "cancel":
+            victim = submit(lines(args.jobs // 10, rng, (64, 256), "v"), r=r, model=QUEUE, priority=5)
+            wait_for(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(pending_under(r, v, w) for w in workers.procs) > 0,
+                     args.timeout, "the other batch under way")
+            cancel_batch(r, victim.id)
+            events.append(f"{time.monotonic() - t0:.1f}s cancelled {victim.id} ({args.jobs // 10} jobs)")
+        elif ev == "stop":
+            wid = busy_worker()
+            workers.procs[wid].send_signal(signal.SIGSTOP)
+            time.sleep(HEARTBEAT_TTL * 2 + 1)
+            workers.procs[wid].send_signal(signal.SIGCONT)
+            events.append(f"{time.monotonic() - t0:.1f}s SIGSTOP {wid} for {HEARTBEAT_TTL * 2 + 1:.0f}s, SIGCONT")
+        elif ev == "restart_server":
+            stop_server(home, kill=True)
+            time.sleep(0.5)
+            ensure_server(home)
+            r.close()
+            r = connect()
+            events.append(f"{time.monotonic() - t0:.1f}s kill -9 of the Valkey server, restarted (AOF)")
+    wait_for(lambda: (m := get_batch(r, b.id)) is not None and m.is_final, args.timeout, "the batch to finish")
+    wall = time.monotonic() - t0
+    codes = workers.stop()
+    summary.update(wall_s=round(wall, 1), exit_codes=codes)
+    summary["outcomes"] = check(r, b.id, args.jobs, "completed")
+    if victim is not None:
+        summary["cancelled_batch"] = check(r, victim.id, victim.counts.total, "cancelled")
+    dead = dead_letters(r, b.id)
+    if dead:
+        raise Broken(f"{len(dead)} jobs dead-lettered that did not fail on their own: {dead[0]['error']}")
+    if summary["outcomes"] != {"completed": args.jobs}:
+        raise Broken(f"not every job completed: {summary['outcomes']}")
+    if any(c != 0 for c in codes.values()):
+        raise Broken(f"a worker did not drain cleanly: {codes}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory (a tiny random model is enough)")
+    p.add_argument("--jobs", type=int, default=3000)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--kills", type=int, default=6)
+    p.add_argument("--min-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any one phase may take")
+    p.add_argument("--seed", type=int, default=None)
+    args = p.parse_args(argv)
+    args.seed = args.seed if args.seed is not None else random.randrange(2**31)
+    print(f"chaos seed={args.seed} (replay with --seed {args.seed})", flush=True)
+    tmp = None
+    if not os.environ.get(ENV_HOME):
+        tmp = tempfile.TemporaryDirectory(prefix="sluice-chaos-")
+        os.environ[ENV_HOME] = tmp.name
+    home = Path(os.environ[ENV_HOME])
+    summary: dict[str, Any] = {"seed": args.seed, "jobs": args.jobs, "workers": args.workers}
+    try:
+        chaos(args, home, summary)
+        ok = 0
+    except Broken as e:
+        summary["broken"], ok = str(e), 1
+        for log in sorted(home.glob("w*.log")):
+            print(f"---- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+    finally:
+        stop_server(home, kill=True)
+        if tmp is not None:
+            tmp.cleanup()
+    print(json.dumps(summary), flush=True)
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The consumer side of the job protocol: what a worker reads and writes in Redis.
+
+Reading new jobs from the ready set, claiming the pending jobs of dead workers, recording an outcome,
+putting a job back, counting a failed attempt, the heartbeat, and the cancel feed: every stream field,
+KEYS list and script call a worker uses is spelled here, beside the scripts (jobs/scripts.py) and
+keys (jobs/keys.py) it uses. ``worker/`` drives this module and knows no key names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from jobs import keys
+from jobs.schemas import Job
+from jobs.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS = 256  # ready streams looked at per read, best score first
+
+
+@dataclass
+class Delivery:
+    job: Job
+    stream: str
+    entry_id: str
+    deliveries: int  # times this job was handed to a worker, this time included
+
+
+@dataclass
+class Unreadable:
+    """A stream entry that is not a valid job: it gets a failed outcome, so its batch can finish."""
+
+    batch_id: str
+    idx: int | None  # None: not even the job index could be read (the entry is only dropped)
+    stream: str
+    entry_id: str
+    reason: str
+
+
+@dataclass
+class Pulled:
+    deliveries: list[Delivery]
+    unreadable: list[Unreadable]
+
+
+@dataclass
+class Outcome:
+    batch_id: str
+    idx: int
+    status: str  # completed | failed | cancelled | expired
+    result_json: str
+    stream: str = ""  # the job stream entry to acknowledge ("" for none)
+    entry_id: str = ""
+    dead_json: str = ""  # set for a dead-lettered job
+
+
+@dataclass
+class CancelEvent:
+    batch_id: str
+    idx: int | None  # None: the whole batch
+    status: str  # the outcome its held jobs get: cancelled | expired
+
+
+# ---- new jobs ------------------------------------------------------------------------------------
+def ready(r: redis.Redis, queue: str) -> list[tuple[str, float]]:
+    """The best-scored ready streams of a queue, with their scores."""
+    return [(s, float(score)) for s, score in r.zrange(keys.ready_streams(queue), 0, MAX_STREAMS - 1, withscores=True)]
+
+
+def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[str, float]]) -> Pulled:
+    """Up to ``n`` jobs never delivered before, best stream first. A stream found drained leaves the
+    ready set and is read once more: a job added before that second read is returned (and the stream
+    goes back), one added after it comes with the writer's own ZADD (``mark_ready``)."""
+    out = Pulled([], [])
+    for stream, score in streams:
+        want = n - len(out.deliveries)
+        if want <= 0:
+            break
+        entries = _xread(r, consumer, stream, want)
+        if len(entries) < want:
+            r.zrem(keys.ready_streams(queue), stream)
+            again = _xread(r, consumer, stream, want - len(entries))
+            if again:
+                r.zadd(keys.ready_streams(queue), {stream: score})
+            entries += again
+        for eid, fields in entries:
+            _parse(stream, eid, fields, 1, out)
+    return out
+
+
+def _xread(r: redis.Redis, consumer: str, stream: str, n: int) -> list[tuple[str, dict[str, str]]]:
+    try:
+        got = r.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=n)
+    except redis.ResponseError as e:  # NOGROUP: the batch was deleted since the list was read
+        log.debug("skipping %s: %s", stream, e)
+        return []
+    return list(got[0][1]) if got else []
+
+
+def mark_ready(pipe: Any, queue: str, stream: str, score: float) -> None:
+    """After adding entries to ``stream``: readers look at it again."""
+    pipe.zadd(keys.ready_streams(queue), {stream: score})
+
+
+def restore_ready(r: redis.Redis, queue: str, batch_id: str, priorities: list[int], created_at: float) -> int:
+    """Put back in the ready set the streams of an open batch that hold undelivered jobs (their ZADD
+    was refused while Redis was full, or lost with the last second of AOF). Housekeeping runs it.
+    Acknowledged entries are deleted, so a stream longer than its pending list has undelivered ones."""
+    streams = [keys.jobs(batch_id, p) for p in priorities]
+    pipe = r.pipeline(transaction=False)
+    for s in streams:
+        pipe.xlen(s)
+        pipe.xpending(s, keys.GROUP)
+    got = pipe.execute(raise_on_error=False)
+    back = {}
+    for i, (p, s) in enumerate(zip(priorities, streams, strict=True)):
+        length, summary = got[2 * i], got[2 * i + 1]
+        if isinstance(length, int) and isinstance(summary, dict) and length > int(summary.get("pending") or 0):
+            back[s] = keys.stream_score(p, created_at)
+    return r.zadd(keys.ready_streams(queue), back, nx=True) if back else 0
+
+
+def job_score(job: Job) -> float:
+    return keys.stream_score(job.priority, job.created_at)
+
+
+# ---- orphans -------------------------------------------------------------------------------------
+def claim(r: redis.Redis, queue: str, consumer: str, n: int, held: set[str]) -> Pulled:
+    """Up to ``n`` pending jobs of workers whose heartbeat is gone (not merely idle: a long generation
+    looks idle), and our own that we do not hold (left from before a restart). Walks every stream of
+    the queue's open batches, not only the ready ones: a drained stream can still have pending jobs."""
+    out = Pulled([], [])
+    streams = r.zrange(keys.active_streams(queue), 0, -1)
+    if not streams or n <= 0:
+        return out
+    pipe = r.pipeline(transaction=False)
+    for s in streams:
+        pipe.xpending(s, keys.GROUP)
+    summaries = pipe.execute(raise_on_error=False)
+    owners = {c["name"] for sm in summaries if isinstance(sm, dict) for c in sm.get("consumers") or []}
+    owners.discard(consumer)
+    names = sorted(owners)
+    alive = dict(zip(names, _alive(r, names), strict=True)) if names else {}
+    for stream, sm in zip(streams, summaries, strict=True):
+        if not isinstance(sm, dict) or not sm.get("pending"):
+            continue
+        for c in sm.get("consumers") or []:
+            name = c["name"]
+            if name == consumer or not alive.get(name, False):
+                _claim_from(r, stream, consumer, name, n - len(out.deliveries), held, out)
+            if len(out.deliveries) >= n:
+                return out
+    return out
+
+
+def _alive(r: redis.Redis, names: list[str]) -> list[bool]:
+    pipe = r.pipeline(transaction=False)
+    for c in names:
+        pipe.exists(keys.heartbeat(c))
+    return [bool(x) for x in pipe.execute()]
+
+
+def _claim_from(r: redis.Redis, stream: str, consumer: str, owner: str, n: int, held: set[str], out: Pulled) -> None:
+    if n <= 0:
+        return
+    pending = [p for p in r.xpending_range(stream, keys.GROUP, "-", "+", n + len(held), consumername=owner)
+               if p["message_id"] not in held][:n]
+    if not pending:
+        return
+    # XCLAIM with the smallest idle time seen is a compare-and-set: an entry someone else claimed
+    # in between has a smaller idle time now and is left alone.
+    min_idle = min(p["time_since_delivered"] for p in pending)
+    counts = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
+    claimed = r.xclaim(stream, keys.GROUP, consumer, min_idle, [p["message_id"] for p in pending])
+    before = len(out.deliveries)
+    for eid, fields in claimed:
+        if fields is not None:
+            _parse(stream, eid, fields, counts[eid], out)
+    if len(out.deliveries) > before:
+        log.info("claimed %d jobs of %s from %s", len(out.deliveries) - before, owner, stream)
+
+
+def _parse(stream: str, entry_id: str, fields: dict[str, str], count: int, out: Pulled) -> None:
+    try:
+        job = Job.model_validate_json(fields["j"])
+    except (KeyError, ValidationError) as e:
+        batch_id, _ = keys.parse_jobs_key(stream)
+        out.unreadable.append(Unreadable(batch_id, _idx_of(fields.get("j")), stream, entry_id,
+                                         f"the queued job could not be read: {e}"))
+        return
+    out.deliveries.append(Delivery(job, stream, entry_id, count + int(fields.get("a") or 0)))
+
+
+def _idx_of(raw: str | None) -> int | None:
+    try:
+        idx = json.loads(raw or "").get("idx")
+    except (ValueError, AttributeError):
+        return None
+    return idx if isinstance(idx, int) and not isinstance(idx, bool) and idx >= 0 else None
+
+
+def drop(r: redis.Redis, u: Unreadable) -> None:
+    """An unreadable entry with no job index: nothing to record an outcome under."""
+    log.error("dropping unreadable entry %s in %s: %s", u.entry_id, u.stream, u.reason)
+    r.xack(u.stream, keys.GROUP, u.entry_id)
+    r.xdel(u.stream, u.entry_id)
+
+
+# ---- outcomes and attempts -----------------------------------------------------------------------
+def record(scripts: Scripts, pipe: Any, o: Outcome, now: float) -> None:
+    """Queue on ``pipe`` the atomic write of one outcome; its reply is ``[fresh, final status or '']``."""
+    bid = o.batch_id
+    ks = [keys.meta(bid), keys.done(bid), keys.results(bid), o.stream or keys.meta(bid), keys.dead(bid)]
+    args = [o.idx, o.status, o.result_json, o.entry_id, o.dead_json, now, keys.GROUP]
+    scripts.record(keys=ks, args=args, client=pipe)
+
+
+def batch_exists(r: redis.Redis, batch_id: str) -> bool:
+    return bool(r.exists(keys.meta(batch_id)))
+
+
+def note_error(r: redis.Redis, d: Delivery, message: str) -> None:
+    """The last error of a job, for its dead letter if another worker gives up on it."""
+    r.hset(keys.last_errors(d.job.batch_id), d.job.idx, message)
+
+
+def count_attempt(r: redis.Redis, scripts: Scripts, d: Delivery, consumer: str) -> bool:
+    """Count one more delivery of a job we still hold, in Redis, so the tally survives our crash.
+    False if the job is no longer pending under us (another worker took it: fencing)."""
+    return bool(scripts.bump(keys=[d.stream], args=[d.entry_id, keys.GROUP, consumer]))
+
+
+def requeue(scripts: Scripts, pipe: Any, d: Delivery, consumer: str, queue: str) -> None:
+    """Hand a job we hold back to the queue (at the end of its stream), without counting the delivery.
+    Fenced: a job no longer pending under ``consumer`` is left to whoever has it."""
+    scripts.requeue(keys=[d.stream], client=pipe,
+                    args=[d.entry_id, keys.GROUP, d.job.model_dump_json(exclude_none=True), d.deliveries - 1,
+                          consumer])
+    mark_ready(pipe, queue, d.stream, job_score(d.job))
+
+
+def still_held(r: redis.Redis, consumer: str, ds: list[Delivery]) -> list[bool]:
+    """For each delivery, whether its entry is still pending under ``consumer`` (after our heartbeat
+    lapsed, another worker may have claimed it)."""
+    pipe = r.pipeline(transaction=False)
+    for d in ds:
+        pipe.xpending_range(d.stream, keys.GROUP, d.entry_id, d.entry_id, 1, consumername=consumer)
+    return [isinstance(x, list) and len(x) == 1 for x in pipe.execute(raise_on_error=False)]
+
+
+def screen(r: redis.Redis, ds: list[Delivery]) -> list[tuple[bool, str | None, str | None]]:
+    """For each delivery: (has its outcome, batch status or None if gone, last error). Takes the jobs out
+    of the deadline set: started now, housekeeping may no longer expire them."""
+    pipe = r.pipeline(transaction=False)
+    for d in ds:
+        bid, idx = d.job.batch_id, d.job.idx
+        pipe.hexists(keys.done(bid), idx)
+        pipe.hget(keys.meta(bid), "status")
+        pipe.zrem(keys.deadlines(bid), idx)
+        pipe.hget(keys.last_errors(bid), idx)
+    replies = pipe.execute()
+    return [(bool(replies[4 * i]), replies[4 * i + 1], replies[4 * i + 3]) for i in range(len(ds))]
+
+
+# ---- heartbeat -----------------------------------------------------------------------------------
+def claim_identity(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> bool:
+    return bool(r.set(keys.heartbeat(worker_id), payload, nx=True, px=ttl_ms))
+
+
+def identity_holder(r: redis.Redis, worker_id: str) -> dict[str, Any] | None:
+    return json.loads(r.get(keys.heartbeat(worker_id)) or "null")
+
+
+def beat(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> bool:
+    """Renew the heartbeat; False when it had lapsed (other workers may have claimed our jobs)."""
+    if r.set(keys.heartbeat(worker_id), payload, xx=True, px=ttl_ms):
+        return True
+    r.set(keys.heartbeat(worker_id), payload, px=ttl_ms)
+    return False
+
+
+def take_over(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> None:
+    r.set(keys.heartbeat(worker_id), payload, px=ttl_ms)
+
+
+def sign_off(r: redis.Redis, worker_id: str) -> None:
+    """Gone at once, so other workers may claim what we still held without waiting out the TTL."""
+    r.delete(keys.heartbeat(worker_id))
+
+
+# ---- cancel feed ---------------------------------------------------------------------------------
+def publish_cancel(r: redis.Redis, queue: str, batch_id: str, idx: int | str | None, status: str) -> None:
+    """Tell a queue's workers to abort a batch's (or one job's) held jobs, settling them ``status``."""
+    r.xadd(keys.cancels(queue), {"b": batch_id, "i": "" if idx is None else str(idx), "s": status},
+           maxlen=10_000, approximate=True)
+
+
+def cancel_cursor(r: redis.Redis, queue: str) -> str:
+    last = r.xrevrange(keys.cancels(queue), count=1)
+    return last[0][0] if last else "0-0"
+
+
+def read_cancels(r: redis.Redis, queue: str, cursor: str, block_ms: int) -> tuple[str, list[CancelEvent]]:
+    """Cancel events after ``cursor``, waiting up to ``block_ms``; (new cursor, events)."""
+    got = r.xread({keys.cancels(queue): cursor}, count=256, block=block_ms)
+    events = []
+    for _, entries in got or []:
+        for eid, f in entries:
+            cursor = eid
+            idx = f.get("i") or ""
+            events.append(CancelEvent(f["b"], int(idx) if idx else None, f.get("s") or "cancelled"))
+    return cursor, events

@@ -1,0 +1,57 @@
+"""The queue's cancel events, read by their own thread with a blocking XREAD; the step loop takes
+what arrived before its next step, so a cancelled job's sequences stop within a step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from jobs import consumer
+from jobs.consumer import CancelEvent
+from jobs.server import connect
+from worker.link import Link
+
+BLOCK_MS = 250  # one blocking read; also how long it takes to notice a stop
+
+
+class CancelFeed:
+    def __init__(self, link: Link, queue: str, redis_down: tuple[type[BaseException], ...]) -> None:
+        self.link = link
+        self.queue = queue
+        self.redis_down = redis_down
+        self.cursor = consumer.cancel_cursor(link.r, queue)  # only events from now on
+        self.events: deque[CancelEvent] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluice-cancels", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+
+    def take(self) -> list[CancelEvent]:
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def _run(self) -> None:
+        client, url = None, None
+        while not self._stop.is_set():
+            try:
+                if client is None or url != self.link.url:  # the link follows a server that moved
+                    url = self.link.url
+                    client = connect(url, retry=Retry(NoBackoff(), 0), socket_timeout=5.0, socket_connect_timeout=1.0)
+                self.cursor, got = consumer.read_cancels(client, self.queue, self.cursor, BLOCK_MS)
+            except self.redis_down:
+                time.sleep(0.2)
+                continue
+            self.events.extend(got)
+        if client is not None:
+            client.close()

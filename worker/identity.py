@@ -1,0 +1,50 @@
+"""A worker's id: one no live worker holds, held by its heartbeat key. Our own id, left by a dead
+process of this host, is taken over at once, so a restarted worker picks up its own pending jobs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import redis
+
+from jobs import consumer
+
+
+def take_identity(r: redis.Redis, base: str, explicit: bool, payload: Callable[[str], str], ttl: float) -> str:
+    """``base``, else ``base-2``, ``base-3``...; an ``explicit`` id waits out a TTL for its holder, then fails."""
+    for n in itertools.count(1):
+        wid = base if n == 1 else f"{base}-{n}"
+        if _try(r, wid, payload, ttl, wait=explicit):
+            return wid
+        if explicit:
+            raise ValueError(f"worker id {wid!r} is held by a live worker; pick another --worker-id")
+    raise AssertionError("unreachable")
+
+
+def _try(r: redis.Redis, wid: str, payload: Callable[[str], str], ttl: float, wait: bool) -> bool:
+    ttl_ms = int(ttl * 1000)
+    deadline = time.monotonic() + (ttl + 1 if wait else 0)
+    while True:
+        if consumer.claim_identity(r, wid, payload(wid), ttl_ms):
+            return True
+        holder = consumer.identity_holder(r, wid)
+        if holder is not None and holder.get("host") == socket.gethostname() and not _pid_alive(holder["pid"]):
+            consumer.take_over(r, wid, payload(wid), ttl_ms)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
