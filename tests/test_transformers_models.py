@@ -35,8 +35,8 @@ ARCHS: dict[str, dict[str, Any]] = {
                                 residual_multiplier=0.5, embedding_multiplier=2.0),
     "gpt-neox": dict(model_type="gpt_neox", num_attention_heads=2),
 }
-MAX_NEW = 10
-NUM_BLOCKS = 7  # of 16 tokens, for 6 sequences of 56-66 tokens sharing 2 blocks: the cache must overflow
+MAX_NEW = 30  # growth of two blocks and more a sequence, so running sequences must outgrow the cache
+NUM_BLOCKS = 6  # of 16 tokens, for 6 sequences of 56-66 tokens sharing 2 blocks: the cache must overflow
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **cfg: Any) -> tuple[Path, Any]:
