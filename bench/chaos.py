@@ -157,7 +157,14 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
     def busy_worker() -> str:
         wids = list(workers.procs)
         rng.shuffle(wids)
-        return wait_for(lambda: next((w for w in wids if pending_under(r, b.id, w) > 0), None), args.timeout, "a busy worker")
+
+        def holder() -> str | None:
+            if done() >= args.jobs:  # a fast machine: nothing left to hold, no fault can land any more
+                raise Broken("the batch finished before every fault was injected: give it longer jobs "
+                             "(--min-tokens/--max-tokens) or more of them (--jobs)")
+            return next((w for w in wids if pending_under(r, b.id, w) > 0), None)
+
+        return wait_for(holder, args.timeout, "a busy worker")
 
     def kill() -> None:
         wid = busy_worker()

@@ -18,7 +18,7 @@ pytest_plugins = ["jobs_fixtures"]
 def test_chaos_500_jobs_three_workers(sluice_home: Path, tiny_model_dir: Path) -> None:
     seed = fresh_seed()
     cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--model", str(tiny_model_dir), "--jobs", "500",
-           "--workers", "3", "--kills", "3", "--min-tokens", "1", "--max-tokens", "8", "--max-num-seqs", "16", "--timeout", "300",
+           "--workers", "3", "--kills", "3", "--min-tokens", "16", "--max-tokens", "48", "--max-num-seqs", "16", "--timeout", "300",
            "--seed", str(seed)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
