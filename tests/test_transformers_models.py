@@ -4,6 +4,7 @@ all at work in one run, and prompts longer than the sliding windows of the model
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,79 @@ def test_cli_refuses_an_encoder_decoder_in_one_line(command: str, tmp_path: Path
     assert isinstance(res.exception, SystemExit), res.exception
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "bart is an encoder-decoder model; Sluice runs decoder-only" in lines[0], res.stderr
+
+
+def _queued(r: Any, queue: str, n: int) -> Any:
+    from jobs.submit import submit
+
+    return submit([json.dumps({"custom_id": f"j{i}", "prompt": f"p {i}", "priority": i % 2}) for i in range(n)],
+                  r=r, model=queue)
+
+
+def _left(r: Any, batch_id: str) -> int:
+    """Entries still in the batch's job streams, delivered (pending) or not."""
+    from jobs import keys
+    from jobs.store import priorities
+
+    return sum(r.xlen(keys.jobs(batch_id, p)) for p in priorities(r, batch_id))
+
+
+def _refusing_worker(model: Path, *args: str) -> Any:
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    return CliRunner().invoke(cli, ["worker", "--model", str(model), "--exit-when-idle", "0", *args])
+
+
+def test_a_refused_worker_fails_the_jobs_waiting_for_its_model(tmp_path: Path) -> None:
+    """``sluice worker`` on an encoder-decoder exits 1 as before, and first gives each job queued for it,
+    new or left pending by a dead worker, one failed outcome naming the architecture: the batch completes."""
+    from cli_api_helpers import sluice_home
+    from jobs_helpers import assert_exactly_once
+    from transformers import T5Config
+
+    from jobs import consumer
+    from jobs.server import connect
+    from jobs.store import get_batch, queue_depth
+
+    model = tmp_path / "t5"
+    T5Config(vocab_size=100, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8).save_pretrained(model)
+    with sluice_home(tmp_path / "home"):
+        r = connect()
+        batch = _queued(r, str(model), 5)
+        orphan = consumer.read(r, str(model), "dead-worker", 1, consumer.ready(r, str(model)))  # no heartbeat
+        assert len(orphan.deliveries) == 1
+        res = _refusing_worker(model)
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert "t5 is an encoder-decoder model" in res.stderr.strip().splitlines()[-1], res.stderr
+        for e in assert_exactly_once(r, batch.id, 5):
+            assert e["status"] == "failed" and e["error"]["code"] == "unsupported_model", e
+            assert e["error"]["message"].startswith("t5 is an encoder-decoder model; Sluice runs decoder-only"), e
+        assert get_batch(r, batch.id).status == "completed"
+        assert _left(r, batch.id) == 0 and queue_depth(r, str(model)) == 0
+        assert _refusing_worker(model).exit_code == 1  # again: nothing left to fail, nothing written twice
+        assert_exactly_once(r, batch.id, 5)
+
+
+def test_a_refused_worker_leaves_the_jobs_of_a_queue_a_live_worker_serves(tmp_path: Path) -> None:
+    """A misconfigured worker on a shared ``--queue``: the live worker there may run the jobs, so they stay."""
+    from cli_api_helpers import sluice_home
+    from transformers import BartConfig
+
+    from jobs import consumer
+    from jobs.server import connect
+    from jobs.store import get_batch, queue_depth
+
+    model = tmp_path / "bart"
+    BartConfig(vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(model)
+    with sluice_home(tmp_path / "home"):
+        r = connect()
+        batch = _queued(r, "shared", 3)
+        assert consumer.claim_identity(r, "live", json.dumps({"id": "live", "queue": "shared"}), 60_000)
+        assert _refusing_worker(model, "--queue", "shared").exit_code == 1
+        assert queue_depth(r, "shared") == 3 and _left(r, batch.id) == 3
+        assert get_batch(r, batch.id).status == "in_progress"
 
 
 def test_kv_cache_is_sized_and_allocated_per_layer() -> None:

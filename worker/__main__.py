@@ -8,6 +8,7 @@ import logging
 import sys
 from dataclasses import asdict
 
+from engine.models.base import UnsupportedModelError
 from jobs.units import parse_size
 from worker.isolation import EngineSick
 from worker.worker import run_worker
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
                             lookahead=a.lookahead, max_deliveries=a.max_deliveries, heartbeat_ttl=a.heartbeat_ttl,
                             grace_period=a.grace_period, metrics_port=a.metrics_port,
                             exit_when_idle=a.exit_when_idle, **engine)
+    except UnsupportedModelError as e:  # its waiting jobs were failed with the reason
+        logging.getLogger("worker").error("exiting: %s", e)
+        sys.exit(1)
     except EngineSick as e:
         logging.getLogger("worker").error("exiting: %s; its jobs were handed back to the queue", e)
         sys.exit(EXIT_ENGINE_SICK)

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
-from jobs.consumer import Delivery, Outcome, Unreadable
+import redis
+
+from jobs import consumer
+from jobs.consumer import Delivery, Outcome, Pulled, Unreadable
 from jobs.schemas import ErrorInfo, Result, ResultTimings
 from worker.convert import bare_result
+
+log = logging.getLogger(__name__)
 
 
 def settled(d: Delivery, status: str, code: str, message: str, worker: str, model: str) -> Outcome:
@@ -32,3 +38,16 @@ def unreadable(u: Unreadable, worker: str, model: str) -> Outcome:
                  error=ErrorInfo(code="unreadable_job", message=u.reason), worker=worker, model=model,
                  timings=ResultTimings(finished=time.time()))
     return Outcome(u.batch_id, u.idx, "failed", res.model_dump_json(exclude_none=True), u.stream, u.entry_id)
+
+
+def unreadables(r: redis.Redis, p: Pulled, worker: str, model: str) -> list[Outcome]:
+    """Failed outcomes for the entries of ``p`` that are not jobs, so their batch can finish; an entry
+    without even a job index has nothing to record one under and is dropped."""
+    out = []
+    for u in p.unreadable:
+        if u.idx is None:
+            consumer.drop(r, u)
+            continue
+        log.error("job %s:%s is unreadable: %s", u.batch_id, u.idx, u.reason)
+        out.append(unreadable(u, worker, model))
+    return out

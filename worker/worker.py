@@ -37,6 +37,7 @@ from worker.link import Link
 from worker.metrics import WorkerMetrics
 from worker.options import WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
+from worker.refusal import fail_waiting_jobs
 from worker.writer import REDIS_DOWN, WriteHeld, Writer
 
 log = logging.getLogger(__name__)
@@ -259,12 +260,8 @@ class Worker:
 
     def _unreadable(self, p: Pulled) -> list[Delivery]:
         """Entries that are not jobs get a failed outcome (their batch can then finish); the jobs are returned."""
-        for u in p.unreadable:
-            if u.idx is None:
-                consumer.drop(self.link.r, u)
-                continue
-            log.error("job %s:%s is unreadable: %s", u.batch_id, u.idx, u.reason)
-            self.writer.add(outcomes.unreadable(u, self.id, self.o.queue))
+        for o in outcomes.unreadables(self.link.r, p, self.id, self.o.queue):
+            self.writer.add(o)
         return p.deliveries
 
     def _screen(self, ds: list[Delivery]) -> list[Delivery]:
@@ -554,7 +551,8 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     SIGTERM/SIGINT (in the main thread) arrives; then drain within ``grace_period`` seconds.
 
     ``engine_kwargs`` go to ``engine.llm.LLM`` (dtype, max_num_seqs, kv_cache_memory, ...); ``llm``
-    passes a ready engine instead.
+    passes a ready engine instead. A model the engine refuses (UnsupportedModelError) fails the jobs
+    waiting on the queue with the reason, then raises.
     """
     opts = WorkerOptions(
         queue=queue or keys.queue_name(model), worker_id=worker_id, redis_url=redis_url, lookahead=lookahead,
@@ -564,9 +562,14 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     factory = None
     if llm is None:
         from engine.llm import LLM
+        from engine.models.base import UnsupportedModelError
 
         def factory() -> Any:
             return LLM(model, **engine_kwargs)
 
-        llm = factory()
+        try:
+            llm = factory()
+        except UnsupportedModelError as e:  # no worker of this model ever will run them: fail its waiting jobs
+            fail_waiting_jobs(opts, str(e))
+            raise
     return Worker(llm, opts, stop_event, factory).run()
