@@ -14,29 +14,9 @@ from helpers import fresh_seed
 from engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
 from engine.cpu_attention import CpuPagedAttention
 from kernels.cpu_attention import available, paged_attention
-from kernels.reference import gather_tokens, relative_error
+from kernels.reference import paged_attention_reference, relative_error
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-              seq_lens: list[int], q_lens: list[int], scale: float, window: int | None, cap: float | None) -> torch.Tensor:
-    """Float64, one query row at a time: row j of sequence b sits at seq_len - q_len + j and sees keys
-    in (pos - window, pos]; scores soft-capped as cap * tanh(s / cap)."""
-    group = q.shape[1] // k_cache.shape[2]
-    out, row = [], 0
-    for b, (n, m) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        k = gather_tokens(k_cache, tables[b], n).repeat_interleave(group, 1)  # [n, Hq, D]
-        v = gather_tokens(v_cache, tables[b], n).repeat_interleave(group, 1)
-        for j in range(m):
-            pos = n - m + j
-            first = max(0, pos - window + 1) if window else 0
-            s = torch.einsum("hd,nhd->hn", q[row + j].double(), k[first : pos + 1]) * scale
-            if cap:
-                s = cap * torch.tanh(s / cap)
-            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[first : pos + 1]))
-        row += m
-    return torch.stack(out)
 
 
 def random_step(rng: random.Random, dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int,
@@ -90,8 +70,8 @@ def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
         out = torch.empty(q.shape, dtype=dtype)
         paged_attention(out, q, head_major(k_cache), head_major(v_cache), meta.block_tables, meta.query_start_loc,
                         meta.seq_lens, scale, window, cap)
-        ref = reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens.tolist(),
-                        (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist(), scale, window, cap)
+        ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens.tolist(),
+                                        (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist(), scale, window, cap)
         err = relative_error(out, ref)
         assert err < TOLERANCE[dtype], f"relative error {err} (group {group}, block {block_size}, window {window}, cap {cap})"
 
