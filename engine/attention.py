@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.huge_pages import advise_huge_pages
+
 
 @dataclass
 class AttentionMetadata:
@@ -74,7 +76,9 @@ class LayerKVSpec:
 def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``."""
-    return torch.empty(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device).permute(1, 2, 0, 3)
+    memory = torch.empty(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    advise_huge_pages(memory)  # before first touch: the cache is read in scattered pages
+    return memory.permute(1, 2, 0, 3)
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:

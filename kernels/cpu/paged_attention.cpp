@@ -72,36 +72,72 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// scores[g * stride + j] = q_g . k_j for the n rows of one block (q already scaled, in float).
+// Sixteen horizontal sums at once: r[j] = sum of the lanes of a[j]. A reduce per key (a shuffle tree
+// each) costs more than the key's dot product; transposing while adding costs three ops per key.
+inline __m512 hsum16(__m512 a[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
+}
+
+// scores[g * stride + j] = q_g . k_j for the n <= 16 rows of one block piece (q already scaled, in float).
 template <int NC, typename T>
-inline void block_scores(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
-                         int64_t stride) {
+inline void block_scores16(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
+                           int64_t stride) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
   for (int64_t g = 0; g < group; ++g) {
     __m512 qv[NC];
     for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + g * NC * 16 + c * 16);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = k + j * k_tok;
-      __m512 acc = _mm512_mul_ps(qv[0], load16(row));
-      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], load16(row + c * 16), acc);
-      scores[g * stride + j] = _mm512_reduce_add_ps(acc);
+    __m512 a[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < n) {
+        const T* row = k + j * k_tok;
+        a[j] = _mm512_mul_ps(qv[0], load16(row));
+        for (int c = 1; c < NC; ++c) a[j] = _mm512_fmadd_ps(qv[c], load16(row + c * 16), a[j]);
+      } else {
+        a[j] = _mm512_setzero_ps();
+      }
     }
+    _mm512_mask_storeu_ps(scores + g * stride, keep, hsum16(a));
   }
+}
+
+template <int NC, typename T>
+inline void block_scores(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
+                         int64_t stride) {
+  for (int64_t j = 0; j < n; j += 16)
+    block_scores16<NC>(q, k + j * k_tok, k_tok, std::min<int64_t>(16, n - j), group, scores + j, stride);
 }
 
 // acc_g += sum_j w[g * stride + j] * v_j over the n rows of one block.
 template <int NC, typename T>
 inline void block_values(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
                          float* acc) {
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 a[NC];
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 wj = _mm512_set1_ps(w[g * stride + j]);
-      const T* row = v + j * v_tok;
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(wj, load16(row + c * 16), a[c]);
-    }
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, a[c]);
+  if (group > 4) {  // more accumulators than registers: a head at a time
+    for (int64_t g = 0; g < group; ++g) block_values<NC>(w + g * stride, stride, v, v_tok, n, 1, acc + g * NC * 16);
+    return;
   }
+  __m512 a[4][NC];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = v + j * v_tok;
+    __m512 vr[NC];
+    for (int c = 0; c < NC; ++c) vr[c] = load16(row + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 wj = _mm512_set1_ps(w[g * stride + j]);
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(wj, vr[c], a[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, a[g][c]);
 }
 #endif
 

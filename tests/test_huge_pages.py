@@ -1,0 +1,29 @@
+"""The CPU KV cache asks for transparent huge pages and gets them where the kernel allows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import allocate_kv, head_major
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _anon_huge_kb() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off here")
+def test_kv_cache_is_backed_by_huge_pages() -> None:
+    before = _anon_huge_kb()
+    cache = allocate_kv(2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 32 MiB
+    head_major(cache).fill_(1.0)
+    gained = _anon_huge_kb() - before
+    assert gained >= 16 * 1024, f"only {gained} kB of the 32 MiB cache is on huge pages"
+    assert float(cache.sum()) == cache.numel()  # still an ordinary tensor
