@@ -62,21 +62,29 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed exactly: IEEE negation commutes with rounding.
+        half = head_dim // 2
+        self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1),
+                             persistent=False)
         self.fused = False  # kernels/fused.py's Triton kernel, rotating q and k in place
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's cos and signed-sin rows ``[T, 1, D]``, looked up once for every layer (None on the
+        fused path, whose kernel reads the tables by position)."""
         if self.fused:
+            return None
+        return self.cos[positions].to(dtype)[:, None, :], self.sin_signed[positions].to(dtype)[:, None, :]
+
+    def forward(self, positions: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+                qk: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+        """Rotate ``qk`` ``[T, Hq + Hkv, D]`` (query heads, then key heads), in one go."""
+        if rows is None:
             from kernels.fused import apply_rotary
 
-            return apply_rotary(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            apply_rotary(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], self.cos, self.sin)
+            return qk
+        cos, sin_signed = rows
+        return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
@@ -103,16 +111,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side as one [T, Hq + Hkv, D] view: one rotary pass rotates both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = rotary(positions, rope, qk, self.num_heads)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -138,14 +148,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (MLP output, residual stream); the next norm adds them, so the add and norm fuse."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h = self.self_attn(h, positions, rotary, rope, kv_cache, meta, backend)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -176,8 +186,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.rows(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+            x, residual = layer(x, residual, positions, self.rotary, rope, kv_cache, meta, backend)
         return self.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:
