@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ops", type=int, default=0, help="also print the N ops with the most self time")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
@@ -95,6 +96,10 @@ def main() -> None:
         accounted += ms
         print(f"| {name} | {ms:.1f} | {ms / step_ms:.0%} |")
     print(f"| everything else | {step_ms - accounted:.1f} | {(step_ms - accounted) / step_ms:.0%} |")
+    if args.ops:
+        print("\n| op | calls / step | self ms / step |\n|---|---|---|")
+        for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[: args.ops]:
+            print(f"| {a.key} | {a.count / args.steps:.0f} | {a.self_cpu_time_total / 1e3 / args.steps:.1f} |")
 
 
 if __name__ == "__main__":

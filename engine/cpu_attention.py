@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, head_major, store_kv
+from engine.attention import AttentionMetadata, head_major
 
 
 class CpuPagedAttention:
@@ -29,7 +29,7 @@ class CpuPagedAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        from kernels.cpu_attention import paged_attention
+        from kernels.cpu_attention import paged_attention, store_kv
 
         k_hm, v_hm = head_major(k_cache), head_major(v_cache)
         store_kv(k, v, k_hm, v_hm, meta.slot_mapping)

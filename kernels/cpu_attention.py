@@ -1,4 +1,5 @@
-"""Build (once, cached) and load the C++ CPU paged-attention op in ``kernels/cpu/paged_attention.cpp``.
+"""Build (once, cached) and load the C++ CPU attention ops in ``kernels/cpu/``: paged attention and the
+KV-cache write.
 
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
@@ -18,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 
 
@@ -34,7 +35,8 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
+                 torch.__version__.encode()):
         digest.update(part)
     return f"sluice_cpu_attention_{digest.hexdigest()[:12]}"
 
@@ -47,7 +49,7 @@ def load() -> Any:
 
     name = build_name()
     log.info("loading the C++ CPU attention op %s (built on first use, then cached)", name)
-    load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+    load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
     return torch.ops.sluice
 
 
@@ -68,3 +70,9 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache_hm: torch.Tensor
     load().paged_attention(out, q, k_cache_hm, v_cache_hm, block_tables, query_start_loc, seq_lens, scale,
                            sliding_window or 0, logits_soft_cap or 0.0)
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache_hm: torch.Tensor, v_cache_hm: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V ``[T, Hkv, D]`` into head-major caches at ``slot_mapping`` (int64; -1 = skip)."""
+    load().store_kv(k, v, k_cache_hm, v_cache_hm, slot_mapping)

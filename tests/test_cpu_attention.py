@@ -12,8 +12,9 @@ import torch
 from helpers import fresh_seed
 
 from engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
+from engine.attention import store_kv as store_kv_torch
 from engine.cpu_attention import CpuPagedAttention
-from kernels.cpu_attention import available, paged_attention
+from kernels.cpu_attention import available, paged_attention, store_kv
 from kernels.reference import paged_attention_reference, relative_error
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -93,3 +94,25 @@ def test_backend_writes_then_attends_like_the_pytorch_fallback() -> None:
         outs.append(backend.forward(q, k, v, kc, vc, meta, 0.125))
         assert torch.equal(kc.reshape(-1, 3, 64)[meta.slot_mapping], k)
     assert relative_error(outs[0], outs[1].double()) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_the_pytorch_write(dtype: torch.dtype) -> None:
+    """Strided k/v (views of a fused QKV output, as the model passes them), skipped slots, every head."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, heads, dim, tokens = 40, 16, 3, 64, 50
+    caches = [allocate_kv(num_blocks, block_size, heads, dim, dtype, torch.device("cpu")) for _ in range(4)]
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    caches[2].copy_(caches[0])
+    caches[3].copy_(caches[1])
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[torch.randperm(tokens, generator=gen)[:7]] = -1
+    qkv = torch.randn(tokens, 9 + 2 * heads, dim, generator=gen).to(dtype)
+    k, v = qkv[:, 9 : 9 + heads], qkv[:, 9 + heads :]
+    store_kv(k, v, head_major(caches[0]), head_major(caches[1]), slots)
+    store_kv_torch(k, v, head_major(caches[2]), head_major(caches[3]), slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), f"seed {seed}"
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        store_kv(k[:1], v[:1], head_major(caches[0]), head_major(caches[1]), torch.tensor([num_blocks * block_size]))
