@@ -166,11 +166,15 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
 
         return wait_for(holder, args.timeout, "a busy worker")
 
+    def note(event: str) -> None:
+        events.append(f"{time.monotonic() - t0:.1f}s {event}")
+        print(events[-1], file=sys.stderr, flush=True)
+
     def kill() -> None:
         wid = busy_worker()
         workers.procs[wid].kill()
         workers.procs[wid].wait()
-        events.append(f"{time.monotonic() - t0:.1f}s kill -9 {wid} holding jobs at {done()} done")
+        note(f"kill -9 {wid} holding jobs at {done()} done")
         workers.start(wid)
 
     victim = None
@@ -185,20 +189,22 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
             wait_for(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(pending_under(r, v, w) for w in workers.procs) > 0,
                      args.timeout, "the other batch under way")
             cancel_batch(r, victim.id)
-            events.append(f"{time.monotonic() - t0:.1f}s cancelled {victim.id} ({args.jobs // 10} jobs)")
+            note(f"cancelled {victim.id} ({args.jobs // 10} jobs)")
         elif ev == "stop":
             wid = busy_worker()
             workers.procs[wid].send_signal(signal.SIGSTOP)
-            time.sleep(HEARTBEAT_TTL * 2 + 1)
-            workers.procs[wid].send_signal(signal.SIGCONT)
-            events.append(f"{time.monotonic() - t0:.1f}s SIGSTOP {wid} for {HEARTBEAT_TTL * 2 + 1:.0f}s, SIGCONT")
+            try:
+                time.sleep(HEARTBEAT_TTL * 2 + 1)
+            finally:
+                workers.procs[wid].send_signal(signal.SIGCONT)
+            note(f"SIGSTOP {wid} for {HEARTBEAT_TTL * 2 + 1:.0f}s, SIGCONT")
         elif ev == "restart_server":
             stop_server(home, kill=True)
             time.sleep(0.5)
             ensure_server(home)
             r.close()
             r = connect()
-            events.append(f"{time.monotonic() - t0:.1f}s kill -9 of the Valkey server, restarted (AOF)")
+            note("kill -9 of the Valkey server, restarted (AOF)")
     wait_for(lambda: (m := get_batch(r, b.id)) is not None and m.is_final, args.timeout, "the batch to finish")
     wall = time.monotonic() - t0
     codes = workers.stop()
@@ -213,6 +219,13 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
         raise Broken(f"not every job completed: {summary['outcomes']}")
     if any(c != 0 for c in codes.values()):
         raise Broken(f"a worker did not drain cleanly: {codes}")
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """Stopped from outside (a caller's time limit): unwind as for a broken promise, so the workers are
+    killed, the server stopped and what happened so far printed."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up itself is not cut short
+    raise Broken("terminated (SIGTERM) before the run finished")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[ENV_HOME] = tmp.name
     home = Path(os.environ[ENV_HOME])
     summary: dict[str, Any] = {"seed": args.seed, "jobs": args.jobs, "workers": args.workers}
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         chaos(args, home, summary)
         ok = 0

@@ -4,11 +4,18 @@ KV-cache write.
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
 feature flags, so a cache directory shared between unlike machines never hands one a binary built for
-another. ``scripts/install.sh`` builds it at install time so a worker's first step does not wait for g++.
+another, and of where the source and torch are, so two checkouts or virtual environments sharing the
+cache do not rebuild each other's (their build commands differ in those paths). ``scripts/install.sh``
+builds it at install time so a worker's first step does not wait for g++.
+
+A build holds torch's ``lock`` file in its directory, and a process killed -9 mid-build leaves it behind:
+torch would wait on it forever, in every later process. So a build also holds an ``flock`` (the kernel
+drops it when the holder dies) and whoever holds that removes a ``lock`` no live builder owns.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -36,9 +43,17 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     digest = hashlib.sha256()
     for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
-                 torch.__version__.encode()):
+                 torch.__version__.encode(), str(SOURCES[0].resolve()).encode(),
+                 str(Path(torch.__file__).resolve().parent).encode()):
         digest.update(part)
     return f"sluice_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+def build_dir(name: str) -> Path:
+    """Where ``load_extension`` builds ``name`` (TORCH_EXTENSIONS_DIR or the user's cache); created."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
 
 
 @functools.cache
@@ -48,8 +63,16 @@ def load() -> Any:
     from torch.utils.cpp_extension import load as load_extension
 
     name = build_name()
+    where = build_dir(name)
     log.info("loading the C++ CPU attention op %s (built on first use, then cached)", name)
-    load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+    with open(where / "sluice.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder; a dead one's is gone
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink()
+        load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, is_python_module=False,
+                       verbose=False)
     return torch.ops.sluice
 
 

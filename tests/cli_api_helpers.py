@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -84,11 +85,18 @@ def run_sluice(*args: str, env: dict[str, str] | None = None, timeout: float = 1
                           timeout=timeout)
 
 
+def default_sigint() -> None:
+    """A ``preexec_fn``: SIGINT at its default, as a terminal gives the command it runs. A test run started
+    as a background job (``make test &``) ignores SIGINT, its children inherit that, and Python installs
+    no Ctrl-C handler in a process that starts with SIGINT ignored: a Ctrl-C sent by a test would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_sluice(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A long-running ``sluice ARGS`` (serve, up) logging to ``log``."""
+    """A long-running ``sluice ARGS`` (serve, up) logging to ``log``; Ctrl-C (``stop``) reaches it."""
     out = log.open("ab")
     return subprocess.Popen([SLUICE, *args], cwd=ROOT, env=env or dict(os.environ), stdout=out,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, preexec_fn=default_sigint)
 
 
 def wait_for_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
