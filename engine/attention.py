@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.huge_pages import advise_huge_pages
+from engine.huge_pages import empty_huge
 
 
 @dataclass
@@ -76,8 +76,11 @@ class LayerKVSpec:
 def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``."""
-    memory = torch.empty(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
-    advise_huge_pages(memory)  # before first touch: the cache is read in scattered pages
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    if device.type == "cpu":
+        memory = empty_huge(shape, dtype)  # the cache is read in scattered pages: spare the TLB
+    else:
+        memory = torch.empty(shape, dtype=dtype, device=device)
     return memory.permute(1, 2, 0, 3)
 
 
