@@ -319,8 +319,11 @@ def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:
 
 def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
     """What each live worker last said in its heartbeat."""
-    names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))
-    values = r.mget(names) if names else []
+    names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))  # on a cluster: every primary
+    pipe = r.pipeline(transaction=False)  # not MGET: on a cluster the heartbeats are spread over slots
+    for name in names:
+        pipe.get(name)
+    values = pipe.execute() if names else []
     return [json.loads(v) for v in values if v]
 
 

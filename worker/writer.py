@@ -18,12 +18,16 @@ from itertools import islice
 import redis
 
 from jobs.consumer import Outcome, batch_exists, record
+from jobs.pipes import NodePipes
 from jobs.scripts import Scripts
 from jobs.store import retire_batch
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)  # BusyLoadingError is a ConnectionError
+# BusyLoadingError is a ConnectionError. On a cluster: no node serves the slot (yet), or the cluster is down.
+# RedisClusterException: no node could be reached to learn the cluster's layout.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
+              redis.exceptions.RedisClusterException)
 CHUNK = 256  # outcomes per pipeline round trip
 
 __all__ = ["CHUNK", "REDIS_DOWN", "Outcome", "WriteHeld", "Writer", "Written"]
@@ -67,10 +71,10 @@ class Writer:
             while self.outbox:
                 with self._lock:
                     chunk = list(islice(self.outbox, CHUNK))
-                pipe = r.pipeline(transaction=False)
+                pipes = NodePipes(r)
                 for o in chunk:
-                    record(scripts, pipe, o, now)
-                replies = pipe.execute(raise_on_error=False)
+                    record(scripts, pipes, o, now)
+                replies = pipes.execute()
                 written.extend(self._settle(r, chunk, replies, now, kept))
         finally:
             if kept:
