@@ -149,8 +149,8 @@ def delete_batch(r: redis.Redis, batch_id: str) -> None:
     """Every key of the batch, and its place in the indexes."""
     model = r.hget(keys.meta(batch_id), "model") or "default"
     prios = priorities(r, batch_id)
+    r.delete(*keys.batch_keys(batch_id, prios))  # one slot: one DEL, also on a cluster
     pipe = r.pipeline(transaction=False)
-    pipe.delete(*keys.batch_keys(batch_id, prios))
     for idx in (keys.all_batches(), keys.open_batches(), keys.finished_batches()):
         pipe.zrem(idx, batch_id)
     if prios:
