@@ -5,25 +5,22 @@ and Redis memory stays bounded. The 200,000-job run is ``bench/queue_throughput.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 from cli_api_helpers import start_sluice
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
+from jobs_helpers import ROOT
 
 from api.app import create_app
 from api.settings import Settings
-from jobs import consumer, keys, spill
-from jobs.consumer import Outcome
+from jobs import keys, spill
 from jobs.local_cluster import LocalCluster
-from jobs.schemas import Result, ResultUsage
-from jobs.scripts import Scripts
 from jobs.spill import Spill
 from jobs.store import delete_batch, get_batch, get_result, read_results
 from jobs.submit import submit
@@ -36,29 +33,12 @@ def lines(n: int) -> list[str]:
     return [json.dumps({"custom_id": f"job-{i}", "prompt": "x", "max_tokens": 1}) for i in range(n)]
 
 
-def fake_outcome(d: consumer.Delivery, rng: random.Random) -> Outcome:
-    """What the worker writes for a completed job, with a made-up output of a few hundred characters."""
-    text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(100, 300)))
-    res = Result(job_id=f"{d.job.batch_id}:{d.job.idx}", custom_id=d.job.custom_id, batch_id=d.job.batch_id,
-                 idx=d.job.idx, status="completed", text=text, finish_reason="length", worker="fake",
-                 usage=ResultUsage(prompt_tokens=1, completion_tokens=1))
-    return Outcome(d.job.batch_id, d.job.idx, "completed", res.model_dump_json(exclude_none=True), d.stream,
-                   d.entry_id)
-
-
-def drain(r: redis.Redis, queue: str, writer: Writer, rng: random.Random, pull: int = 2000,
-          after_flush: Any = None) -> int:
-    """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer."""
-    scripts, done = Scripts(r), 0
-    while True:
-        got = consumer.read(r, queue, "fake", pull, consumer.ready(r, queue))
-        if not got.deliveries:
-            return done
-        for d in got.deliveries:
-            writer.add(fake_outcome(d, rng))
-        done += len(writer.flush(r, scripts, time.time()))
-        if after_flush is not None:
-            after_flush()
+# The fake worker (pull, 'generate' at once, write through worker/writer.py) is the benchmark's.
+_spec = importlib.util.spec_from_file_location("bench_queue_throughput", ROOT / "bench" / "queue_throughput.py")
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+drain = bench.drain
 
 
 def used_memory(r: redis.Redis) -> int:
