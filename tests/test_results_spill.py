@@ -103,6 +103,12 @@ def test_spilled_results_come_back_once_each_across_the_boundary(r: redis.Redis,
     per_job = (end - base) / n
     print(f"seed={seed} Redis memory after {n} results: {end - base} bytes ({per_job:.0f} per job)")
     assert end - base <= n * 250 + (at + spill.KEEP + CHUNK) * 1000, (end - base, per_job)
+    # A reader that does not see the directory says so, instead of returning a page with a hole.
+    monkeypatch.setenv("SLUICE_FILES_DIR", str(tmp_path / "elsewhere"))
+    miss = api.get(f"/v1/batches/{b.id}/results")
+    assert miss.status_code == 500 and miss.json()["error"]["code"] == "results_not_readable", miss.text
+    assert "SLUICE_FILES_DIR" in miss.json()["error"]["message"]
+    monkeypatch.setenv("SLUICE_FILES_DIR", str(files))
     delete_batch(r, b.id)
     assert not spill.batch_dir(files, b.id).exists()
 
