@@ -21,6 +21,7 @@ from api.app import create_app
 from api.settings import Settings
 from jobs import keys, spill
 from jobs.local_cluster import LocalCluster
+from jobs.scripts import Scripts
 from jobs.spill import Spill
 from jobs.store import delete_batch, get_batch, get_result, read_results
 from jobs.submit import submit
@@ -131,3 +132,33 @@ def test_spill_on_a_cluster(cr: redis.Redis, cluster: LocalCluster, tmp_path: Pa
             seen += [x.idx for x in page.results]
             cursor = page.cursor
         assert sorted(seen) == list(range(1500))
+
+
+def test_a_spiller_that_died_or_lost_the_race_changes_nothing(r: redis.Redis, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk file written but never noted (its spiller died before the script) and a spiller whose
+    chunk number was taken meanwhile (the script refuses it): readers see each result once."""
+    rng = random.Random(fresh_seed())
+    files = tmp_path / "files"
+    monkeypatch.setenv("SLUICE_FILES_DIR", str(files))
+    b = submit(lines(3000), r=r, model="race")
+    assert drain(r, "race", Writer(spill=None), rng) == 3000  # SLUICE_RESULTS_SPILL unset: nothing moves
+    assert r.xlen(keys.results(b.id)) == 3000 and not r.exists(keys.spill_chunks(b.id))
+    entries = r.xrange(keys.results(b.id), "-", "+", count=500)
+    dead = spill.chunk_path(files, b.id, 0, entries[-1][0])
+    spill._write(dead, entries, "dead")  # the spiller died here, before noting the chunk
+    scripts = Scripts(r)
+    assert spill.spill(r, scripts, files, b.id, keep=100) == 2900
+    ends = r.lrange(keys.spill_chunks(b.id), 0, -1)
+    assert len(ends) == 1 and ends[0] != entries[-1][0] and r.xlen(keys.results(b.id)) == 100
+    # A late spiller that read chunk count 0 before: refused, the stream untouched.
+    late = [keys.meta(b.id), keys.results(b.id), keys.spill_chunks(b.id)]
+    assert scripts.spilled(keys=late, args=[0, ends[0], "9999999999999-0"]) == 0
+    assert r.xlen(keys.results(b.id)) == 100 and dead.exists()  # the orphan is ignored by readers
+    whole = [x.idx for x in read_results(r, b.id, "0", 10_000).results]
+    assert sorted(whole) == list(range(3000))
+    # From a cursor in the middle of the chunk, and from the last spilled id (the boundary itself).
+    page = read_results(r, b.id, "0", 1234)
+    rest = read_results(r, b.id, page.cursor, 10_000).results
+    assert [x.idx for x in page.results] + [x.idx for x in rest] == whole
+    assert [x.idx for x in read_results(r, b.id, ends[0], 10_000).results] == whole[2900:]
