@@ -369,9 +369,24 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
     results: dict[str, Any] = {}
+    systems = ("in_process", "queue", "queue_cluster") if args.cluster else ("in_process", "queue")
+    cluster = Server(cluster=True) if args.cluster else None
+    try:
+        _e2e_rounds(args, prompts, kw, systems, cluster.url if cluster else None, results)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]
+    if args.cluster:
+        results["cluster_vs_one_node"] = results["queue_cluster"]["tokens_per_s"] / results["queue"]["tokens_per_s"]
+    return results
+
+
+def _e2e_rounds(args: argparse.Namespace, prompts: list[str], kw: dict[str, Any], systems: tuple[str, ...],
+                cluster_url: str | None, results: dict[str, Any]) -> None:
     # Alternating rounds, best of each: the first pass over new shapes pays one-time costs (CPU
     # kernel selection, cache zeroing) that would otherwise land on whichever system runs first.
-    for name in ("in_process", "queue") * args.rounds:
+    for name in systems * args.rounds:
         llm = occupancy_engine(kw, args.model, len(prompts))
         llm.generate([_warmup_request()])  # first-step costs (allocation, kernels) out of the timing
         llm.samples.clear()
@@ -379,8 +394,9 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         llm.step_time = 0.0
         llm.switches = 0
         print(f"  {name} ...", flush=True)
+        url = cluster_url if name == "queue_cluster" else args.redis_url
         res = bench_in_process(llm, prompts, args.max_tokens) if name == "in_process" else \
-            bench_queue(llm, prompts, args.max_tokens, args.redis_url, args.worker_thread)
+            bench_queue(llm, prompts, args.max_tokens, url, args.worker_thread)
         prompt_len = statistics.mean(len(llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
             for p in prompts[:64])
@@ -394,8 +410,6 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
               f"{res['switches_per_step']:.0f} voluntary context switches per step ({llm.stepper})")
         if name not in results or res["tokens_per_s"] > results[name]["tokens_per_s"]:
             results[name] = res
-    results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]
-    return results
 
 
 def _warmup_request() -> Any:
@@ -439,6 +453,7 @@ def main() -> None:
             try:
                 print("  ... on a 3-primary cluster:")
                 report["submit_cluster"] = bench_submit(args.submit_jobs, args.repeats, srv.url)
+                print(f"  best {report['submit_cluster']['best_jobs_per_s']:,.0f} jobs/s")
             finally:
                 srv.close()
     if args.queue_jobs:
@@ -463,6 +478,8 @@ def main() -> None:
         e = report["e2e"]
         print(f"  queue / in-process: {e['queue_vs_in_process']:.1%} (target 95%); steady occupancy "
               f"{e['queue']['occupancy']:.1%} queue, {e['in_process']['occupancy']:.1%} in-process (target 90%)")
+        if args.cluster:
+            print(f"  queue on the 3-primary cluster / on one node: {e['cluster_vs_one_node']:.1%}")
     OUT.mkdir(exist_ok=True)
     out = OUT / f"queue_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2))
