@@ -161,3 +161,18 @@ def test_primary_restarted_mid_batch_loses_nothing_acknowledged(cr: redis.Redis,
     assert all(after[i] == e for i, e in acknowledged.items()), "an acknowledged result was lost"
     assert_exactly_once(cr, b.id, n)
     assert get_batch(cr, b.id).counts.completed == n
+
+
+def test_the_cluster_switch_and_the_spill_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.server import is_cluster_url
+    from jobs.settings import JobPlaneSettings, SettingsError, job_plane, load
+
+    monkeypatch.setenv("SLUICE_REDIS_URL", "redis+cluster://:pw@10.0.0.5:6379")
+    assert is_cluster_url(job_plane().redis_url or "")
+    monkeypatch.setenv("SLUICE_REDIS_URL", "http://10.0.0.5:6379")
+    with pytest.raises(SettingsError, match="SLUICE_REDIS_URL: .*redis\\+cluster://"):
+        job_plane()
+    monkeypatch.delenv("SLUICE_REDIS_URL")
+    monkeypatch.setenv("SLUICE_RESULTS_SPILL", "-1")
+    with pytest.raises(SettingsError, match="SLUICE_RESULTS_SPILL"):
+        load(JobPlaneSettings)
