@@ -10,10 +10,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from jobs.spill import SpilledResultsMissing
 from jobs.submit import JobServerFull
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 507: "server_error"}
+          409: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error",
+          507: "server_error"}
 
 
 class ApiError(Exception):
@@ -66,3 +68,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(redis.TimeoutError)
     async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
         return _respond(503, f"the job server is unavailable: {type(e).__name__}: {e}", code="job_server_unavailable")
+
+    # Results spilled to a directory this API does not see: a deployment error, said as such.
+    @app.exception_handler(SpilledResultsMissing)
+    async def _spill_missing(request: Request, e: SpilledResultsMissing) -> JSONResponse:
+        return _respond(500, str(e), code="results_not_readable")

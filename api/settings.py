@@ -3,10 +3,9 @@ when the app is built (``SLUICE_MAX_UPLOAD_BYTES``, ...; the README's configurat
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 
 from jobs.settings import JobPlaneSettings
 from jobs.units import parse_size
@@ -20,8 +19,6 @@ class Settings(JobPlaneSettings):
     max_batch_lines: int = 50_000
     # Characters, not tokens: the API never loads a tokenizer. 256k chars is roughly 64k tokens.
     max_prompt_chars: int = 256 * 1024
-    files_dir: Path | None = None
-    """SLUICE_FILES_DIR: uploaded and rendered files [default: SLUICE_HOME/files]."""
 
     @field_validator("max_upload_bytes", mode="before")
     @classmethod
@@ -34,9 +31,3 @@ class Settings(JobPlaneSettings):
         if v < 1:
             raise ValueError("must be at least 1")
         return v
-
-    @model_validator(mode="after")
-    def _files_under_home(self) -> Settings:
-        if self.files_dir is None:
-            self.files_dir = self.home / "files"
-        return self

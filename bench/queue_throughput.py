@@ -16,6 +16,18 @@ Batch occupancy: running sequences / sequences the KV cache can hold at once, av
 steady state (the steps while at least that many requests were still unfinished). Targets: queue >= 95%
 of in-process throughput, occupancy >= 90%. Writes JSON to bench/out/.
 
+The queue path alone (--queue-jobs N): N jobs submitted, pulled and written back through the
+worker's own writer (worker/writer.py, the RECORD script) with fake instant outputs of 100-300
+characters, no engine; jobs/s for submission, for the pull+write drain, and for reading every
+result back, with Redis memory per queued job and per stored result (INFO used_memory, summed over
+the nodes, and MEMORY USAGE of the batch's keys). --cluster runs submission and the queue path on a
+fresh single server and on a fresh 3-primary Valkey Cluster (jobs/local_cluster.py), one after the
+other. --spill-jobs N runs one N-job batch with results spilled to files (SLUICE_RESULTS_SPILL,
+--spill-at) and checks that Redis memory stayed bounded and every result reads back exactly once:
+
+    python bench/queue_throughput.py --skip-e2e --skip-submit --queue-jobs 50000 --cluster
+    python bench/queue_throughput.py --skip-e2e --skip-submit --spill-jobs 200000
+
 The worker loop runs in the main thread, as `sluice worker` runs it; --worker-thread runs it from a
 second thread instead (how this benchmark used to run it). Each path reports its stepping thread,
 torch's intra-op thread count there, and voluntary context switches per step: a second thread gets a
@@ -82,6 +94,167 @@ def bench_submit(n: int, repeats: int, redis_url: str | None) -> dict[str, Any]:
         if home is not None:
             stop_server(home)
     return {"jobs": n, "best_jobs_per_s": max(rates), "median_jobs_per_s": statistics.median(rates), "runs": rates}
+
+
+# ---- the queue path alone, one node or a cluster -------------------------------------------------------
+class Server:
+    """A fresh job server for one measurement: the embedded Valkey, or a 3-primary cluster."""
+
+    def __init__(self, cluster: bool) -> None:
+        from jobs.local_cluster import LocalCluster
+        from jobs.server import connect, ensure_server
+
+        self.dir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+        self.cluster = LocalCluster(self.dir / "cluster").start() if cluster else None
+        self.url = self.cluster.url if self.cluster else ensure_server(self.dir).url
+        self.r = connect(self.url)
+
+    def used_memory(self) -> int:
+        if self.cluster is not None:
+            return self.cluster.used_memory()
+        return int(self.r.info("memory")["used_memory"])
+
+    def close(self) -> None:
+        from jobs.server import stop_server
+
+        self.r.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+        else:
+            stop_server(self.dir)
+
+
+def fake_outcome(d: Any, rng: Any) -> Any:
+    """What a worker writes for a completed job, with a made-up output of 100-300 characters."""
+    from jobs.consumer import Outcome
+    from jobs.schemas import Result, ResultUsage
+
+    text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(100, 300)))
+    res = Result(job_id=f"{d.job.batch_id}:{d.job.idx}", custom_id=d.job.custom_id, batch_id=d.job.batch_id,
+                 idx=d.job.idx, status="completed", text=text, finish_reason="length", worker="fake",
+                 usage=ResultUsage(prompt_tokens=1, completion_tokens=1))
+    return Outcome(d.job.batch_id, d.job.idx, "completed", res.model_dump_json(exclude_none=True), d.stream,
+                   d.entry_id)
+
+
+def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flush: Any = None) -> int:
+    """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer."""
+    from jobs import consumer
+    from jobs.scripts import Scripts
+
+    scripts, done = Scripts(r), 0
+    while True:
+        got = consumer.read(r, queue, "fake", pull, consumer.ready(r, queue))
+        if not got.deliveries:
+            return done
+        for d in got.deliveries:
+            writer.add(fake_outcome(d, rng))
+        done += len(writer.flush(r, scripts, time.time()))
+        if after_flush is not None:
+            after_flush()
+
+
+def simple_lines(n: int) -> list[str]:
+    return [json.dumps({"custom_id": f"job-{i}", "prompt": f"prompt {i}", "max_tokens": 1}) for i in range(n)]
+
+
+def key_bytes(r: Any, batch_id: str) -> dict[str, int]:
+    """MEMORY USAGE of each key of a batch (SAMPLES 0: every element counted)."""
+    from jobs import keys
+    from jobs.store import priorities
+
+    out = {}
+    for k in keys.batch_keys(batch_id, priorities(r, batch_id)):
+        used = r.memory_usage(k, samples=0)
+        if used:
+            out[k.rpartition("}:")[2]] = int(used)
+    return out
+
+
+def bench_queue_path(n: int, cluster: bool, seed: int = 0) -> dict[str, Any]:
+    import random
+
+    from jobs.store import read_results
+    from jobs.submit import submit
+    from worker.writer import Writer
+
+    srv = Server(cluster)
+    try:
+        base = srv.used_memory()
+        t = time.perf_counter()
+        batch = submit(simple_lines(n), r=srv.r, model="bench-path")
+        submit_s = time.perf_counter() - t
+        queued = srv.used_memory()
+        queued_keys = key_bytes(srv.r, batch.id)
+        t = time.perf_counter()
+        assert drain(srv.r, "bench-path", Writer(), random.Random(seed)) == n
+        drain_s = time.perf_counter() - t
+        stored = srv.used_memory()
+        stored_keys = key_bytes(srv.r, batch.id)
+        t, cursor, read = time.perf_counter(), "0", 0
+        while page := read_results(srv.r, batch.id, cursor, 1000).results:
+            read, cursor = read + len(page), read_results(srv.r, batch.id, cursor, 1000).cursor
+        read_s = time.perf_counter() - t
+        assert read == n, read
+        return {"topology": "3-primary cluster" if cluster else "one node", "jobs": n,
+                "submit_jobs_per_s": n / submit_s, "drain_jobs_per_s": n / drain_s, "read_results_per_s": n / read_s,
+                "bytes_per_queued_job": (queued - base) / n, "bytes_per_stored_result": (stored - base) / n,
+                "key_bytes_per_job_queued": {k: v / n for k, v in queued_keys.items()},
+                "key_bytes_per_job_stored": {k: v / n for k, v in stored_keys.items()}}
+    finally:
+        srv.close()
+
+
+def bench_spill(n: int, spill_at: int, cluster: bool, seed: int = 0) -> dict[str, Any]:
+    """One n-job batch, results spilled to files as they land: peak stream length, Redis memory, and
+    every result read back exactly once."""
+    import random
+
+    from jobs import keys
+    from jobs.spill import KEEP, Spill
+    from jobs.store import read_results
+    from jobs.submit import submit
+    from worker.writer import CHUNK, Writer
+
+    srv = Server(cluster)
+    files = srv.dir / "files"
+    os.environ["SLUICE_FILES_DIR"] = str(files)  # where the readers look
+    try:
+        base = srv.used_memory()
+        batch = submit(simple_lines(n), r=srv.r, model="bench-spill")
+        queued = srv.used_memory()
+        peak = {"stream": 0, "memory": queued}
+
+        def sample() -> None:
+            peak["stream"] = max(peak["stream"], srv.r.xlen(keys.results(batch.id)))
+            peak["memory"] = max(peak["memory"], srv.used_memory())
+
+        t = time.perf_counter()
+        assert drain(srv.r, "bench-spill", Writer(Spill(files, spill_at)), random.Random(seed),
+                     after_flush=sample) == n
+        drain_s = time.perf_counter() - t
+        stored = srv.used_memory()
+        t, cursor, seen = time.perf_counter(), "0", set()
+        while page := read_results(srv.r, batch.id, cursor, 1000):
+            if not page.results:
+                break
+            for res in page.results:
+                assert res.idx not in seen, f"result {res.idx} read twice"
+                seen.add(res.idx)
+            cursor = page.cursor
+        read_s = time.perf_counter() - t
+        assert seen == set(range(n)), f"{n - len(seen)} results missing"
+        bound = spill_at + KEEP + 2 * CHUNK  # the stream may grow by a write chunk before a spill trims it
+        assert peak["stream"] <= bound, (peak["stream"], bound)
+        return {"topology": "3-primary cluster" if cluster else "one node", "jobs": n, "spill_at": spill_at,
+                "drain_jobs_per_s": n / drain_s, "read_results_per_s": n / read_s,
+                "peak_results_in_redis": peak["stream"], "results_in_redis_bound": bound,
+                "bytes_per_queued_job": (queued - base) / n, "bytes_per_job_after_spill": (stored - base) / n,
+                "peak_memory_over_base": peak["memory"] - base, "memory_over_base_at_end": stored - base,
+                "spilled_bytes_on_disk": sum(p.stat().st_size for p in files.rglob("*.jsonl")),
+                "every_result_read_once": True}
+    finally:
+        srv.close()
 
 
 # ---- end to end --------------------------------------------------------------------------------------
@@ -196,9 +369,24 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
     results: dict[str, Any] = {}
+    systems = ("in_process", "queue", "queue_cluster") if args.cluster else ("in_process", "queue")
+    cluster = Server(cluster=True) if args.cluster else None
+    try:
+        _e2e_rounds(args, prompts, kw, systems, cluster.url if cluster else None, results)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]
+    if args.cluster:
+        results["cluster_vs_one_node"] = results["queue_cluster"]["tokens_per_s"] / results["queue"]["tokens_per_s"]
+    return results
+
+
+def _e2e_rounds(args: argparse.Namespace, prompts: list[str], kw: dict[str, Any], systems: tuple[str, ...],
+                cluster_url: str | None, results: dict[str, Any]) -> None:
     # Alternating rounds, best of each: the first pass over new shapes pays one-time costs (CPU
     # kernel selection, cache zeroing) that would otherwise land on whichever system runs first.
-    for name in ("in_process", "queue") * args.rounds:
+    for name in systems * args.rounds:
         llm = occupancy_engine(kw, args.model, len(prompts))
         llm.generate([_warmup_request()])  # first-step costs (allocation, kernels) out of the timing
         llm.samples.clear()
@@ -206,8 +394,9 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         llm.step_time = 0.0
         llm.switches = 0
         print(f"  {name} ...", flush=True)
+        url = cluster_url if name == "queue_cluster" else args.redis_url
         res = bench_in_process(llm, prompts, args.max_tokens) if name == "in_process" else \
-            bench_queue(llm, prompts, args.max_tokens, args.redis_url, args.worker_thread)
+            bench_queue(llm, prompts, args.max_tokens, url, args.worker_thread)
         prompt_len = statistics.mean(len(llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
             for p in prompts[:64])
@@ -221,8 +410,6 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
               f"{res['switches_per_step']:.0f} voluntary context switches per step ({llm.stepper})")
         if name not in results or res["tokens_per_s"] > results[name]["tokens_per_s"]:
             results[name] = res
-    results["queue_vs_in_process"] = results["queue"]["tokens_per_s"] / results["in_process"]["tokens_per_s"]
-    return results
 
 
 def _warmup_request() -> Any:
@@ -248,19 +435,51 @@ def main() -> None:
                    help="run the worker loop in a second thread (the old arrangement) instead of the main thread")
     p.add_argument("--skip-submit", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--cluster", action="store_true",
+                   help="submission and the queue path on one node and then on a fresh 3-primary Valkey Cluster")
+    p.add_argument("--queue-jobs", type=int, default=0, help="the queue path alone (fake outputs) with N jobs")
+    p.add_argument("--spill-jobs", type=int, default=0, help="one N-job batch with results spilled to files")
+    p.add_argument("--spill-at", type=int, default=10_000, help="SLUICE_RESULTS_SPILL for --spill-jobs")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     report: dict[str, Any] = {"args": vars(args)}
+    topologies = (False, True) if args.cluster else (False,)
     if not args.skip_submit:
         print(f"submission of {args.submit_jobs:,} jobs:")
         report["submit"] = bench_submit(args.submit_jobs, args.repeats, args.redis_url)
         print(f"  best {report['submit']['best_jobs_per_s']:,.0f} jobs/s (target 20,000)")
+        if args.cluster:
+            srv = Server(cluster=True)
+            try:
+                print("  ... on a 3-primary cluster:")
+                report["submit_cluster"] = bench_submit(args.submit_jobs, args.repeats, srv.url)
+                print(f"  best {report['submit_cluster']['best_jobs_per_s']:,.0f} jobs/s")
+            finally:
+                srv.close()
+    if args.queue_jobs:
+        report["queue_path"] = []
+        for cluster in topologies:
+            res = bench_queue_path(args.queue_jobs, cluster)
+            report["queue_path"].append(res)
+            print(f"queue path, {res['jobs']:,} jobs, {res['topology']}: submit {res['submit_jobs_per_s']:,.0f}/s, "
+                  f"pull+write {res['drain_jobs_per_s']:,.0f}/s, read back {res['read_results_per_s']:,.0f}/s; "
+                  f"Redis {res['bytes_per_queued_job']:.0f} B per queued job, "
+                  f"{res['bytes_per_stored_result']:.0f} B per stored result")
+    if args.spill_jobs:
+        res = bench_spill(args.spill_jobs, args.spill_at, args.cluster)
+        report["spill"] = res
+        print(f"spill, {res['jobs']:,} jobs at {res['spill_at']:,}, {res['topology']}: "
+              f"{res['peak_results_in_redis']:,} results in Redis at most (bound {res['results_in_redis_bound']:,}), "
+              f"{res['bytes_per_job_after_spill']:.0f} B per job left in Redis, peak "
+              f"{res['peak_memory_over_base'] / 2**20:.1f} MiB over the empty server; every result read back once")
     if not args.skip_e2e:
         print(f"end to end, {args.num_prompts} prompts x {args.max_tokens} tokens:")
         report["e2e"] = bench_e2e(args)
         e = report["e2e"]
         print(f"  queue / in-process: {e['queue_vs_in_process']:.1%} (target 95%); steady occupancy "
               f"{e['queue']['occupancy']:.1%} queue, {e['in_process']['occupancy']:.1%} in-process (target 90%)")
+        if args.cluster:
+            print(f"  queue on the 3-primary cluster / on one node: {e['cluster_vs_one_node']:.1%}")
     OUT.mkdir(exist_ok=True)
     out = OUT / f"queue_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2))

@@ -39,7 +39,7 @@ from kombu.exceptions import OperationalError
 from jobs import keys
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
 from jobs.schemas import LineError, Result, SamplingParams, parse_line
-from jobs.server import connect, redis_url
+from jobs.server import connect, is_cluster_url, redis_url
 from jobs.store import await_result, cancel_batch, delete_batch
 from jobs.submit import DEFAULT_WINDOW, resolve_model, submit
 
@@ -63,13 +63,14 @@ def _defaults() -> dict[str, Any]:
     # A promise: read when Celery first needs its configuration, so importing this module connects to
     # nothing and SLUICE_HOME/SLUICE_REDIS_URL set after the import still count.
     url = redis_url()
-    return {
-        "broker_url": url,
-        "result_backend": url,
+    defaults: dict[str, Any] = {
         "broker_connection_retry_on_startup": True,
         "task_track_started": True,  # a forwarding generate shows STARTED while its job waits or runs
         "beat_schedule": {"sluice-housekeeping": {"task": "sluice.housekeep", "schedule": HOUSEKEEPING_EVERY}},
     }
+    if not is_cluster_url(url):  # Celery's Redis transport has no cluster mode: then its broker is set apart
+        defaults.update(broker_url=url, result_backend=url)
+    return defaults
 
 
 app = Celery("sluice")

@@ -17,6 +17,7 @@ import redis
 from pydantic import ValidationError
 
 from jobs import keys
+from jobs.pipes import NodePipes
 from jobs.schemas import Job
 from jobs.scripts import Scripts
 
@@ -214,12 +215,12 @@ def drop(r: redis.Redis, u: Unreadable) -> None:
 
 
 # ---- outcomes and attempts -----------------------------------------------------------------------
-def record(scripts: Scripts, pipe: Any, o: Outcome, now: float) -> None:
-    """Queue on ``pipe`` the atomic write of one outcome; its reply is ``[fresh, final status or '']``."""
+def record(scripts: Scripts, pipes: NodePipes, o: Outcome, now: float) -> None:
+    """Queue on ``pipes`` the atomic write of one outcome; its reply is ``[fresh, final status or '']``."""
     bid = o.batch_id
     ks = [keys.meta(bid), keys.done(bid), keys.results(bid), o.stream or keys.meta(bid), keys.dead(bid)]
     args = [o.idx, o.status, o.result_json, o.entry_id, o.dead_json, now, keys.GROUP]
-    scripts.record(keys=ks, args=args, client=pipe)
+    scripts.record(keys=ks, args=args, client=pipes.on(ks[0]))
 
 
 def batch_exists(r: redis.Redis, batch_id: str) -> bool:
@@ -237,13 +238,19 @@ def count_attempt(r: redis.Redis, scripts: Scripts, d: Delivery, consumer: str) 
     return bool(scripts.bump(keys=[d.stream], args=[d.entry_id, keys.GROUP, consumer]))
 
 
-def requeue(scripts: Scripts, pipe: Any, d: Delivery, consumer: str, queue: str) -> None:
-    """Hand a job we hold back to the queue (at the end of its stream), without counting the delivery.
-    Fenced: a job no longer pending under ``consumer`` is left to whoever has it."""
-    scripts.requeue(keys=[d.stream], client=pipe,
-                    args=[d.entry_id, keys.GROUP, d.job.model_dump_json(exclude_none=True), d.deliveries - 1,
-                          consumer])
-    mark_ready(pipe, queue, d.stream, job_score(d.job))
+def requeue(r: redis.Redis, scripts: Scripts, ds: list[Delivery], consumer: str, queue: str) -> None:
+    """Hand jobs we hold back to the queue (at the end of their streams), without counting the delivery.
+    Fenced: a job no longer pending under ``consumer`` is left to whoever has it. The streams go back
+    into the ready set after their XADDs (on a cluster they may be on other nodes: a second round)."""
+    back, ready = NodePipes(r), NodePipes(r)
+    for d in ds:
+        scripts.requeue(keys=[d.stream], client=back.on(d.stream),
+                        args=[d.entry_id, keys.GROUP, d.job.model_dump_json(exclude_none=True), d.deliveries - 1,
+                              consumer])
+        mark_ready(ready.on(keys.ready_streams(queue)), queue, d.stream, job_score(d.job))
+    for reply in [*back.execute(), *ready.execute()]:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 def still_held(r: redis.Redis, consumer: str, ds: list[Delivery]) -> list[bool]:

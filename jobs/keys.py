@@ -1,11 +1,12 @@
 """Every Redis key name the job plane uses; nothing else spells them.
 
 Sharding: everything about one batch carries the hash tag ``{<batch_id>}`` (its job streams, their
-consumer group, meta and counters, results, dead letters), so the one atomic write per completion
+consumer group, meta and counters, results, dead letters, spilled-results index), so the one atomic write per completion
 (result + counters + results stream + XACK) touches a single Redis Cluster slot, and batches spread
 over the cluster. The few keys outside a batch (the batch index, each model's list of active job
 streams, cancel events, worker heartbeats, batches whose Celery completion signature is due) are
-small and are never part of an atomic write.
+small and are never part of an atomic write: on a Redis Cluster each lives in its own slot, and the
+commands that read several (heartbeats, the streams of a queue) are pipelined, routed key by key.
 """
 
 from __future__ import annotations
@@ -88,10 +89,21 @@ def deadlines(batch_id: str) -> str:
     return _b(batch_id, "deadlines")
 
 
+def spill_chunks(batch_id: str) -> str:
+    """List: the last results-stream id of each chunk of results moved to files (jobs/spill.py), in order;
+    meta field ``spilled`` is the last of them (results up to it are in files, after it in ``results``)."""
+    return _b(batch_id, "spill_chunks")
+
+
+def spill_lock(batch_id: str) -> str:
+    """String with a TTL: a process is moving results of the batch to files."""
+    return _b(batch_id, "spill_lock")
+
+
 def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
-            *(jobs(batch_id, p) for p in priorities)]
+            spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
 
 
 def parse_jobs_key(key: str) -> tuple[str, int]:

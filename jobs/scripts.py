@@ -168,6 +168,26 @@ return #ARGV / 3
 """
 
 
+# A chunk of results is in a file now (jobs/spill.py): note its last id and drop it from the stream.
+# Only if no other process noted chunk ARGV[1] meanwhile, so two spillers never both advance.
+# KEYS: meta, results, spill chunks list; ARGV: chunk number, its last id, the id after it -> 1 if noted
+SPILLED = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('HSET', KEYS[1], 'spilled', ARGV[2])
+redis.call('XTRIM', KEYS[2], 'MINID', ARGV[3])
+return 1
+"""
+
+# Where a reader stands, atomically against SPILLED: the last spilled id and the results after the
+# cursor still in the stream (meaningful only when the cursor is at or after the spilled id).
+# KEYS: meta, results; ARGV: XRANGE start ('-' or '(id'), count -> {spilled id or '', entries}
+READ_RESULTS = """
+local spilled = redis.call('HGET', KEYS[1], 'spilled') or ''
+return {spilled, redis.call('XRANGE', KEYS[2], ARGV[1], '+', 'COUNT', ARGV[2])}
+"""
+
+
 class Scripts:
     """The scripts registered on one client (redis-py reloads them after a server restart)."""
 
@@ -180,6 +200,7 @@ class Scripts:
         self.bump = r.register_script(BUMP)
         self.finish = r.register_script(FINISH)
         self.transition = r.register_script(TRANSITION)
+        self.spilled = r.register_script(SPILLED)
 
 
 def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,

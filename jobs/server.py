@@ -21,16 +21,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from jobs.settings import job_plane
 
 ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 START_TIMEOUT = 30.0  # seconds; replaying a large AOF takes a while
 
 
@@ -66,12 +68,26 @@ def redis_url(home: Path | None = None, on_start: OnStart | None = None) -> str:
     return url if url else ensure_server(home, on_start=on_start).url
 
 
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
 def connect(url: str | None = None, **kwargs: Any) -> redis.Redis:
-    """A client with decoded strings; ``url`` defaults to ``redis_url()``."""
+    """A client with decoded strings; ``url`` defaults to ``redis_url()``. A ``redis+cluster://`` URL
+    gives redis-py's ``RedisCluster`` (same commands; keys routed to their slot's node), typed as
+    ``redis.Redis`` here because the job plane uses only what both have."""
+    url = url or redis_url()
     opts: dict[str, Any] = {"decode_responses": True, "socket_connect_timeout": 2.0, "socket_timeout": 10.0,
                             "health_check_interval": 30}
     opts.update(kwargs)
-    return redis.Redis.from_url(url or redis_url(), **opts)
+    if is_cluster_url(url):
+        return cast(redis.Redis, RedisCluster.from_url(url.replace("+cluster", "", 1), **opts))
+    return redis.Redis.from_url(url, **opts)
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether ``r`` (a client or a pipeline) talks to a Redis Cluster."""
+    return isinstance(r, RedisCluster)
 
 
 def data_dir(home: Path | None = None) -> Path:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import platformdirs
-from pydantic import ValidationError, field_validator
+from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SLUICE_"
+URL_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -34,7 +35,13 @@ class JobPlaneSettings(BaseSettings):
     home: Path = _default_home()
     """SLUICE_HOME: the embedded job server's data (and the API's files)."""
     redis_url: str | None = None
-    """SLUICE_REDIS_URL: an external Redis/Valkey instead of the embedded server."""
+    """SLUICE_REDIS_URL: an external Redis/Valkey instead of the embedded server; ``redis+cluster://``
+    (or ``rediss+cluster://``) names one node of a Redis/Valkey Cluster, whose other nodes are found."""
+    files_dir: Path | None = None
+    """SLUICE_FILES_DIR: the API's uploaded and rendered files, and spilled results [default: SLUICE_HOME/files]."""
+    results_spill: int = 0
+    """SLUICE_RESULTS_SPILL: move a batch's results from Redis to SLUICE_FILES_DIR once it holds more
+    than this many there (0: never; every process that reads or writes results must see that directory)."""
 
     @field_validator("home")
     @classmethod
@@ -44,9 +51,22 @@ class JobPlaneSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if v is not None and not v.startswith(URL_SCHEMES):
+            raise ValueError("must be a redis://, rediss://, redis+cluster://, rediss+cluster:// or unix:// URL")
         return v
+
+    @field_validator("results_spill")
+    @classmethod
+    def _not_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be 0 (never) or more")
+        return v
+
+    @model_validator(mode="after")
+    def _files_under_home(self) -> JobPlaneSettings:
+        if self.files_dir is None:
+            self.files_dir = self.home / "files"
+        return self
 
 
 def load(cls: type[S], **overrides: object) -> S:

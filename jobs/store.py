@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from jobs import keys
+from jobs import keys, spill
 from jobs.consumer import publish_cancel
 from jobs.schemas import (
     CHAT_URL,
@@ -22,7 +22,7 @@ from jobs.schemas import (
     ResultUsage,
     result_to_output_line,
 )
-from jobs.scripts import Scripts, sweep, transition
+from jobs.scripts import READ_RESULTS, Scripts, sweep, transition
 
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
           "cancelling_at", "cancelled_at")
@@ -149,8 +149,9 @@ def delete_batch(r: redis.Redis, batch_id: str) -> None:
     """Every key of the batch, and its place in the indexes."""
     model = r.hget(keys.meta(batch_id), "model") or "default"
     prios = priorities(r, batch_id)
+    r.delete(*keys.batch_keys(batch_id, prios))  # one slot: one DEL, also on a cluster
+    spill.remove(spill.files_dir(), batch_id)
     pipe = r.pipeline(transaction=False)
-    pipe.delete(*keys.batch_keys(batch_id, prios))
     for idx in (keys.all_batches(), keys.open_batches(), keys.finished_batches()):
         pipe.zrem(idx, batch_id)
     if prios:
@@ -167,11 +168,23 @@ class ResultsPage:
 
 
 def read_results(r: redis.Redis, batch_id: str, cursor: str = "0", limit: int = 1000) -> ResultsPage:
-    """Results in completion order, after ``cursor`` ("0": from the start)."""
-    start = "-" if cursor in ("", "0") else f"({cursor}"
-    entries = r.xrange(keys.results(batch_id), start, "+", count=limit)
-    results = [Result.model_validate_json(f["r"]) for _, f in entries]
-    return ResultsPage(results, entries[-1][0] if entries else cursor)
+    """Results in completion order, after ``cursor`` ("0": from the start): from the files results were
+    spilled to (jobs/spill.py) up to the spilled cursor, then from the results stream."""
+    got: list[tuple[str, str]] = []
+    cursor = cursor or "0"
+    while len(got) < limit:
+        start = "-" if cursor == "0" else f"({cursor}"
+        spilled, entries = r.register_script(READ_RESULTS)(keys=[keys.meta(batch_id), keys.results(batch_id)],
+                                                           args=[start, limit - len(got)])
+        if spilled and spill.id_key(cursor) < spill.id_key(spilled):
+            more = spill.read(r, spill.files_dir(), batch_id, cursor, limit - len(got))
+        else:
+            more = [(eid, dict(zip(fields[::2], fields[1::2], strict=True))["r"]) for eid, fields in entries]
+        if not more:
+            break
+        got += more
+        cursor = more[-1][0]
+    return ResultsPage([Result.model_validate_json(res) for _, res in got], cursor)
 
 
 def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bool = False,
@@ -228,7 +241,10 @@ def get_result(r: redis.Redis, batch_id: str, custom_id: str) -> Result | None:
     if rid is None:
         return None
     entries = r.xrange(keys.results(batch_id), rid, rid)
-    return Result.model_validate_json(entries[0][1]["r"]) if entries else None
+    if entries:
+        return Result.model_validate_json(entries[0][1]["r"])
+    found = spill.find(r, spill.files_dir(), batch_id, rid)  # moved out of Redis
+    return Result.model_validate_json(found) if found else None
 
 
 def dead_letters(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:
@@ -319,8 +335,11 @@ def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:
 
 def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
     """What each live worker last said in its heartbeat."""
-    names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))
-    values = r.mget(names) if names else []
+    names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))  # on a cluster: every primary
+    pipe = r.pipeline(transaction=False)  # not MGET: on a cluster the heartbeats are spread over slots
+    for name in names:
+        pipe.get(name)
+    values = pipe.execute() if names else []
     return [json.loads(v) for v in values if v]
 
 

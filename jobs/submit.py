@@ -17,6 +17,7 @@ import redis
 
 from jobs import keys
 from jobs.consumer import mark_ready
+from jobs.pipes import NodePipes
 from jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -126,7 +127,7 @@ class _Submission:
         self.seen: set[str] = set()
         self.streams: dict[int, str] = {}  # priority -> stream key, for streams already created
         self.new_streams: list[int] = []
-        self.pipe = r.pipeline(transaction=False)
+        self.pipe = NodePipes(r)
         # One flush in flight while the next chunk is parsed: the server's work overlaps ours.
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-submit")
         self.inflight: Future[list[Any]] | None = None
@@ -190,7 +191,7 @@ class _Submission:
         if stream is None:
             stream = self.streams[job.priority] = keys.jobs(self.bid, job.priority)
             # From id 0, so the group sees entries whatever the order the pipeline lands in.
-            self.pipe.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+            self.pipe.on(stream).xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
             self.new_streams.append(job.priority)
         self.chunks.setdefault(job.priority, []).extend((job.model_dump_json(exclude_none=True), job.custom_id,
                                                          job.idx))
@@ -202,30 +203,33 @@ class _Submission:
     def flush(self) -> bool:
         """Send what is buffered; False when the batch was cancelled meanwhile."""
         p, bid = self.pipe, self.bid
-        self.pipe = self.r.pipeline(transaction=False)
+        self.pipe = NodePipes(self.r)
         sent = list(self.chunks)
         for prio, args in self.chunks.items():
             self.scripts.enqueue(keys=[self.streams[prio], keys.custom_ids(bid), keys.job_custom_ids(bid)],
-                                 args=args, client=p)
+                                 args=args, client=p.on(self.streams[prio]))
         if self.deadlines:
-            p.zadd(keys.deadlines(bid), self.deadlines)
+            p.on(keys.deadlines(bid)).zadd(keys.deadlines(bid), self.deadlines)
         if self.errors:
-            p.rpush(keys.line_errors(bid), *self.errors)
+            p.on(keys.line_errors(bid)).rpush(keys.line_errors(bid), *self.errors)
         self.flushed_at = time.time()
         meta = {"total": self.total, "invalid": self.invalid, "touched_at": self.flushed_at}
         if self.new_streams:
             meta["priorities"] = ",".join(str(x) for x in self.streams)
-        p.hset(keys.meta(bid), mapping=meta)
+        p.on(keys.meta(bid)).hset(keys.meta(bid), mapping=meta)
+        p.on(keys.meta(bid)).hget(keys.meta(bid), "status")
+        # The queue's indexes after the batch's own writes (on a cluster, other nodes: a second round),
+        # so a reader that just parked a stream sees it again.
         queue = self.model or "default"
+        index = self.r.pipeline(transaction=False)
         for prio in self.new_streams:
-            p.zadd(keys.active_streams(queue), {self.streams[prio]: keys.stream_score(prio, self.now)})
-        for prio in sent:  # after the XADDs: a reader that just parked the stream sees it again
-            mark_ready(p, queue, self.streams[prio], keys.stream_score(prio, self.now))
-        p.hget(keys.meta(bid), "status")
+            index.zadd(keys.active_streams(queue), {self.streams[prio]: keys.stream_score(prio, self.now)})
+        for prio in sent:
+            mark_ready(index, queue, self.streams[prio], keys.stream_score(prio, self.now))
         self.pending = 0
         self.chunks, self.deadlines, self.errors, self.new_streams = {}, {}, [], []
         self.wait()
-        self.inflight = self.sender.submit(p.execute)
+        self.inflight = self.sender.submit(_send, p, index)
         return not self.cancelled
 
     def wait(self) -> None:
@@ -248,6 +252,16 @@ class _Submission:
             delete_batch(self.r, self.bid)
         except redis.RedisError:
             pass  # housekeeping fails a batch whose submitter is gone
+
+
+def _send(batch: NodePipes, index: Any) -> list[Any]:
+    """One flush: the batch's writes, then the queue's indexes; the first error reply is raised."""
+    replies = batch.execute()
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    index.execute()
+    return replies
 
 
 def seal(r: redis.Redis, scripts: Scripts, batch_id: str, now: float, reason: str = "") -> None:

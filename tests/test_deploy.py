@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 # Beside the project on our machines; a user's clone has no ../shared, so the schema test skips there.
 SCHEMA = ROOT.parent / "shared" / "data" / "compose" / "compose-spec.json"
+# The bundled server unless SLUICE_REDIS_URL names another (an external cluster: redis+cluster://...).
+REDIS_URL = "${SLUICE_REDIS_URL:-redis://redis:6379/0}"
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,27 @@ def test_redis_is_durable_and_healthchecked(compose: dict[str, Any]) -> None:
     assert "redis-data" in compose["volumes"]
 
 
+def test_cluster_profile_starts_three_durable_primaries(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    nodes = {name: s for name, s in services.items() if name.startswith("valkey-") and name[-1].isdigit()}
+    assert len(nodes) == 3
+    for name, node in nodes.items():
+        assert node["profiles"] == ["cluster"] and node["hostname"] == name
+        opts = dict(zip(*[iter(shlex.split(node["command"])[1:])] * 2, strict=True))
+        assert opts["--cluster-enabled"] == "yes" and opts["--appendonly"] == "yes"
+        assert opts["--maxmemory-policy"] == "noeviction"
+        assert node["volumes"] == [f"{name}-data:/data"] and f"{name}-data" in compose["volumes"]
+    init = services["valkey-cluster-init"]
+    assert init["profiles"] == ["cluster"]
+    assert {n: c["condition"] for n, c in init["depends_on"].items()} == {n: "service_healthy" for n in nodes}
+    script = init["command"][0]
+    assert "--cluster create" in script and all(n in script for n in nodes)
+    # The workers and the API wait for it when the profile is on, and do without it otherwise.
+    for name in [*workers(compose), "api"]:
+        dep = services[name]["depends_on"]["valkey-cluster-init"]
+        assert dep == {"condition": "service_completed_successfully", "required": False}, name
+
+
 def test_one_worker_service_per_gpu(compose: dict[str, Any]) -> None:
     ws = workers(compose)
     assert len(ws) >= 2, "show how a second GPU gets its own service"
@@ -68,7 +91,7 @@ def test_one_worker_service_per_gpu(compose: dict[str, Any]) -> None:
         assert "count" not in device, f"{name}: device_ids pins one GPU; count would not"
         seen += device["device_ids"]
         assert w["depends_on"]["redis"]["condition"] == "service_healthy"
-        assert w["environment"]["SLUICE_REDIS_URL"].startswith("redis://redis:")
+        assert w["environment"]["SLUICE_REDIS_URL"] == REDIS_URL
         assert any(v.startswith("model-cache:") for v in w["volumes"])
         assert w["build"]["dockerfile"] == "docker/Dockerfile.worker"
         # The drain after SIGTERM (--grace-period) must fit before compose's SIGKILL.
@@ -85,7 +108,7 @@ def test_api_service(compose: dict[str, Any]) -> None:
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
     env = api["environment"]
     assert env["SLUICE_API_KEY"].startswith("${SLUICE_API_KEY:?"), "an exposed API must not start without a key"
-    assert env["SLUICE_REDIS_URL"].startswith("redis://redis:")
+    assert env["SLUICE_REDIS_URL"] == REDIS_URL
     assert f"api-files:{env['SLUICE_FILES_DIR']}" in api["volumes"] and "api-files" in compose["volumes"]
     assert "/healthz" in " ".join(api["healthcheck"]["test"])
     ctx = cli.commands["serve"].make_context("serve", api["command"][2:])  # the flags exist and parse

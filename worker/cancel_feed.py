@@ -50,6 +50,9 @@ class CancelFeed:
                     client = connect(url, retry=Retry(NoBackoff(), 0), socket_timeout=5.0, socket_connect_timeout=1.0)
                 self.cursor, got = consumer.read_cancels(client, self.queue, self.cursor, BLOCK_MS)
             except self.redis_down:
+                if client is not None:  # a fresh client next time: a cluster's may have lost its map of nodes
+                    client.close()
+                client = None
                 time.sleep(0.2)
                 continue
             self.events.extend(got)

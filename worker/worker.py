@@ -508,10 +508,7 @@ class Worker:
         log.info("releasing %d unfinished jobs", len(left))
 
     def _requeue(self) -> None:
-        pipe = self.link.r.pipeline(transaction=False)
-        for h in self.to_release:
-            consumer.requeue(self.link.scripts, pipe, h.d, self.id, self.o.queue)
-        pipe.execute()
+        consumer.requeue(self.link.r, self.link.scripts, [h.d for h in self.to_release], self.id, self.o.queue)
         self.report.released += len(self.to_release)
         self.to_release = []
 
