@@ -16,6 +16,10 @@ class CpuPagedAttention:
     """Write the step's K/V into the paged cache, then attend from it in place, decodes and prompt
     chunks alike, in one call per layer."""
 
+    # The op reads only positions up to each query's own, all written before it attends: fresh blocks
+    # need no zeroing (a first touch of new pages costs enough on its own).
+    reads_unwritten_slots = False
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

@@ -1,0 +1,100 @@
+"""Decode attention alone: the C++ op over ``--layers`` separate caches (so the K/V come from DRAM, as
+in a real step), against a plain sum over as many bytes as a bandwidth yardstick.
+
+Compare kernel versions in one process, alternating, best of ``--rounds``, e.g. the current source
+against one from an older commit:
+
+    git show HEAD~5:kernels/cpu/paged_attention.cpp > /tmp/old.cpp
+    python bench/attention_micro.py --sources /tmp/old.cpp,kernels/cpu/paged_attention.cpp
+
+Each source is built under its own op namespace. SmolLM2-135M's shapes by default: 9 query heads over
+3 KV heads of 64, blocks of 16, blocks handed out in random order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import load  # noqa: E402
+
+from engine.attention import allocate_kv, head_major  # noqa: E402
+from kernels.cpu_attention import CFLAGS  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build(source: Path, index: int) -> Any:
+    text = source.read_text()
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+        text = text.replace(f"{macro}(sluice,", f"{macro}(sluice_micro{index},")
+    tag = hashlib.sha256(text.encode()).hexdigest()[:10]
+    path = Path(tempfile.gettempdir()) / f"sluice_micro{index}_{tag}.cpp"
+    path.write_text(text)
+    load(name=f"sluice_micro{index}_{tag}", sources=[str(path)], extra_cflags=CFLAGS, is_python_module=False)
+    return getattr(torch.ops, f"sluice_micro{index}").paged_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", default=str(ROOT / "kernels" / "cpu" / "paged_attention.cpp"))
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--batch", type=int, default=160)
+    ap.add_argument("--context", type=int, default=250)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    dtype, rng = DTYPES[args.dtype], random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    sources = [Path(s) for s in args.sources.split(",")]
+    ops = [build(s, i) for i, s in enumerate(sources)]
+    hq, hkv, dim, block = 9, 3, 64, 16
+    width = -(-args.context // block)
+    num_blocks = args.batch * width + 8
+    caches = []
+    for _ in range(args.layers):
+        k, v = (allocate_kv(num_blocks, block, hkv, dim, dtype, torch.device("cpu")) for _ in range(2))
+        k.copy_(torch.randn(k.shape)), v.copy_(torch.randn(v.shape))
+        caches.append((head_major(k), head_major(v)))
+    tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
+    seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)
+    qsl = torch.arange(args.batch + 1, dtype=torch.int32)
+    q = torch.randn(args.batch, hq, dim).to(dtype)
+    out = torch.empty_like(q)
+    nbytes = args.layers * int(seq_lens.sum()) * hkv * dim * 2 * q.element_size()
+    yardstick = torch.rand(nbytes // 4)
+
+    def all_layers(op: Any) -> None:
+        for k, v in caches:
+            op(out, q, k, v, tables, qsl, seq_lens, dim**-0.5, 0, 0.0)
+
+    def seconds(fn: Any) -> float:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, fn in [*((str(s), lambda op=op: all_layers(op)) for s, op in zip(sources, ops, strict=True)),
+                         ("sum over as many bytes", lambda: yardstick.sum())]:
+            best[name] = min(best.get(name, float("inf")), seconds(fn))
+    print(f"{args.layers} layers, batch {args.batch}, context ~{args.context}, {args.dtype}: "
+          f"{nbytes / 1e9:.2f} GB of K/V; best of {args.rounds}")
+    for name, s in best.items():
+        print(f"  {s * 1e3:8.1f} ms  {nbytes / s / 1e9:5.1f} GB/s  {name}")
+
+
+if __name__ == "__main__":
+    main()
