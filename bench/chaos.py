@@ -59,17 +59,22 @@ class Workers:
     def __init__(self, model: str, n: int, logs: Path, max_num_seqs: int) -> None:
         self.model, self.logs, self.max_num_seqs = model, logs, max_num_seqs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.starts: Counter[str] = Counter()
+        self.log_at_start: dict[str, int] = {}  # where each worker's latest start begins in its log
         for i in range(n):
             self.start(f"w{i}")
 
     def up(self, wid: str) -> bool:
-        """The latest start of ``wid`` runs its loop (its signal handlers are in place)."""
-        log = (self.logs / f"{wid}.log").read_text(errors="replace")
-        return log.count(f"worker {wid} on queue") >= self.starts[wid] or self.procs[wid].poll() is not None
+        """The latest start of ``wid`` runs its loop (its signal handlers are in place). Only what that
+        start wrote counts: a start killed before it announced itself never will (counting starts
+        against announcements waited forever after a kill -9 that landed during a restart)."""
+        with open(self.logs / f"{wid}.log", "rb") as f:
+            f.seek(self.log_at_start[wid])
+            since = f.read().decode(errors="replace")
+        return f"worker {wid} on queue" in since or self.procs[wid].poll() is not None
 
     def start(self, wid: str) -> None:
-        self.starts[wid] += 1
+        log = self.logs / f"{wid}.log"
+        self.log_at_start[wid] = log.stat().st_size if log.exists() else 0
         cmd = [sys.executable, "-m", "worker", "--model", self.model, "--queue", QUEUE, "--dtype", "float32",
                "--worker-id", wid, "--heartbeat-ttl", str(HEARTBEAT_TTL), "--max-deliveries", "10",
                "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory", str(4 << 20)]
