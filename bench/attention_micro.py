@@ -14,10 +14,8 @@ Each source is built under its own op namespace. SmolLM2-135M's shapes by defaul
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,23 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch.utils.cpp_extension import load  # noqa: E402
 
 from engine.attention import allocate_kv, head_major  # noqa: E402
-from kernels.cpu_attention import CFLAGS  # noqa: E402
+from kernels.cpu_attention import load_variant  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def build(source: Path, index: int) -> Any:
-    text = source.read_text()
-    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
-        text = text.replace(f"{macro}(sluice,", f"{macro}(sluice_micro{index},")
-    tag = hashlib.sha256(text.encode()).hexdigest()[:10]
-    path = Path(tempfile.gettempdir()) / f"sluice_micro{index}_{tag}.cpp"
-    path.write_text(text)
-    load(name=f"sluice_micro{index}_{tag}", sources=[str(path)], extra_cflags=CFLAGS, is_python_module=False)
-    return getattr(torch.ops, f"sluice_micro{index}").paged_attention
 
 
 def main() -> None:
@@ -58,14 +44,15 @@ def main() -> None:
     dtype, rng = DTYPES[args.dtype], random.Random(args.seed)
     torch.manual_seed(args.seed)
     sources = [Path(s) for s in args.sources.split(",")]
-    ops = [build(s, i) for i, s in enumerate(sources)]
+    ops = [load_variant(s, f"sluice_micro{i}") for i, s in enumerate(sources)]
     hq, hkv, dim, block = 9, 3, 64, 16
     width = -(-args.context // block)
     num_blocks = args.batch * width + 8
     caches = []
     for _ in range(args.layers):
         k, v = (allocate_kv(num_blocks, block, hkv, dim, dtype, torch.device("cpu")) for _ in range(2))
-        k.copy_(torch.randn(k.shape)), v.copy_(torch.randn(v.shape))
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
         caches.append((head_major(k), head_major(v)))
     tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
     seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)

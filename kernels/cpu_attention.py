@@ -99,3 +99,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache_hm: torch.Tensor, v_cache
              slot_mapping: torch.Tensor) -> None:
     """Write new K/V ``[T, Hkv, D]`` into head-major caches at ``slot_mapping`` (int64; -1 = skip)."""
     load().store_kv(k, v, k_cache_hm, v_cache_hm, slot_mapping)
+
+
+def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) -> Any:
+    """``paged_attention`` built from another ``source`` (an older version, or this one with other
+    ``cflags``, e.g. without AVX-512) and registered as ``torch.ops.<namespace>``, beside the real op."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    text = source.read_text()
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+        text = text.replace(f"{macro}(sluice,", f"{macro}({namespace},")
+    flags = CFLAGS if cflags is None else cflags
+    tag = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:10]
+    copy = build_dir(f"{namespace}_{tag}") / f"{namespace}.cpp"
+    copy.write_text(text)
+    load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False)
+    return getattr(torch.ops, namespace).paged_attention

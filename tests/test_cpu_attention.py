@@ -5,7 +5,9 @@ dtypes, sliding windows and soft-capping; and the engine backend built on it."""
 from __future__ import annotations
 
 import math
+import platform
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from helpers import fresh_seed
 from engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
 from engine.attention import store_kv as store_kv_torch
 from engine.cpu_attention import CpuPagedAttention
-from kernels.cpu_attention import available, paged_attention, store_kv
+from kernels.cpu_attention import CFLAGS, SOURCES, available, load_variant, paged_attention, store_kv
 from kernels.reference import paged_attention_reference, relative_error
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -56,9 +58,13 @@ def test_the_op_builds_here() -> None:
     assert ok, f"the C++ attention op did not build: {why}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
+Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, int | None,
+                float | None], object]
+
+
+def check_against_reference(run: Run, dtype: torch.dtype, head_dim: int) -> None:
+    """Four random steps (GQA groups, block sizes, windows, soft-caps) through ``run``, each against the
+    float64 reference."""
     rng = random.Random(fresh_seed())
     torch.manual_seed(rng.randrange(2**31))
     for _ in range(4):
@@ -69,12 +75,37 @@ def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
         q, k_cache, v_cache, meta = random_step(rng, dtype, head_dim, group, kv_heads, block_size)
         scale = 1 / math.sqrt(head_dim) * rng.choice([1.0, 4.0])
         out = torch.empty(q.shape, dtype=dtype)
-        paged_attention(out, q, head_major(k_cache), head_major(v_cache), meta.block_tables, meta.query_start_loc,
-                        meta.seq_lens, scale, window, cap)
+        run(out, q, head_major(k_cache), head_major(v_cache), meta, scale, window, cap)
         ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens.tolist(),
                                         (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist(), scale, window, cap)
         err = relative_error(out, ref)
         assert err < TOLERANCE[dtype], f"relative error {err} (group {group}, block {block_size}, window {window}, cap {cap})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
+    def run(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+            scale: float, window: int | None, cap: float | None) -> None:
+        paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap)
+
+    check_against_reference(run, dtype, head_dim)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build's flags name an x86-64 level")
+def test_the_build_without_avx512_matches_reference() -> None:
+    """CPUs without AVX-512 take the generic loops (scores, values, the softmax's exp); built here with
+    -march=x86-64-v2 so this machine runs them too."""
+    flags = [f for f in CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v2"]
+    op = load_variant(SOURCES[0], "sluice_portable", flags)
+
+    def run(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+            scale: float, window: int | None, cap: float | None) -> None:
+        op(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window or 0, cap or 0.0)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim in (64, 40):
+            check_against_reference(run, dtype, head_dim)
 
 
 def test_backend_writes_then_attends_like_the_pytorch_fallback() -> None:

@@ -55,6 +55,22 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+#if !defined(__AVX512F__)
+// s[j] = exp(s[j] - max(s)) over n scores; returns their sum (the caller divides the output by it).
+inline float exp_shifted(float* s, int64_t n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = fast_exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+#endif
+
 template <typename T>
 inline void from_float(T* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
@@ -156,7 +172,7 @@ inline void block_scores(const float* q, const T* k, int64_t k_tok, int64_t n, i
 template <int NC, typename T>
 inline void block_values(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
                          float* acc) {
-  if (group > 4) {  // more accumulators than registers: a head at a time
+  if (group * NC > 16) {  // accumulators and the value row would not fit in 32 registers: a head at a time
     for (int64_t g = 0; g < group; ++g) block_values<NC>(w + g * stride, stride, v, v_tok, n, 1, acc + g * NC * 16);
     return;
   }
@@ -278,20 +294,7 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
         float* s = scores.data() + g * n;
         if (cap > 0.f)
           for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-#if defined(__AVX512F__)
         inv_sum[g] = 1.f / exp_shifted(s, n);
-#else
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = fast_exp(s[j] - m);
-          sum += s[j];
-        }
-        inv_sum[g] = 1.f / sum;
-#endif
       }
       // Pass 2: weighted sum of values, likewise a block at a time.
       std::fill(acc.begin(), acc.end(), 0.f);
