@@ -45,6 +45,8 @@ def categorize(events: list) -> dict[str, float]:
         name = e.name
         if name == "sluice::paged_attention":
             totals["attention (C++ op)"] += e.cpu_time_total
+        elif name == "sluice::store_kv":
+            totals["KV write"] += e.cpu_time_total
         elif name in CATEGORIES:
             totals[CATEGORIES[name]] += e.cpu_time_total
         elif name in ("aten::argmax", "aten::softmax", "aten::topk", "aten::sort"):

@@ -23,7 +23,7 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return torch.empty(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem: no THP
     mapping.madvise(advice)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
