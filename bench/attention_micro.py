@@ -40,7 +40,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype, rng = DTYPES[args.dtype], random.Random(args.seed)
     torch.manual_seed(args.seed)
     sources = [Path(s) for s in args.sources.split(",")]
@@ -54,7 +57,7 @@ def main() -> None:
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
         caches.append((head_major(k), head_major(v)))
-    tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
+    tables = (torch.arange(num_blocks) if __import__("os").environ.get("SEQ_TABLES") else torch.randperm(num_blocks))[: args.batch * width].view(args.batch, width).int()
     seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)
     qsl = torch.arange(args.batch + 1, dtype=torch.int32)
     q = torch.randn(args.batch, hq, dim).to(dtype)

@@ -27,7 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
+# (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def _cpu_flags() -> str:
@@ -112,6 +114,7 @@ def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) 
     flags = CFLAGS if cflags is None else cflags
     tag = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:10]
     copy = build_dir(f"{namespace}_{tag}") / f"{namespace}.cpp"
-    copy.write_text(text)
+    if not copy.exists() or copy.read_text() != text:  # a rewrite would make ninja rebuild it every time
+        copy.write_text(text)
     load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False)
     return getattr(torch.ops, namespace).paged_attention

@@ -5,6 +5,7 @@ dtypes, sliding windows and soft-capping; and the engine backend built on it."""
 from __future__ import annotations
 
 import math
+import os
 import platform
 import random
 from collections.abc import Callable
@@ -90,6 +91,51 @@ def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
         paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap)
 
     check_against_reference(run, dtype, head_dim)
+
+
+def _cpu_seconds_by_thread() -> dict[str, float]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        seconds[tid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return seconds
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not os.path.isdir("/proc/self/task"),
+                    reason="needs two cores and Linux's per-thread CPU times")
+def test_the_op_runs_on_more_than_one_thread() -> None:
+    """at::parallel_for is an OpenMP pragma in torch's headers: built without -fopenmp the op ran every
+    item on the calling thread, whatever torch's thread count (it did, unnoticed, for a while)."""
+    rng = random.Random(fresh_seed())
+    torch.manual_seed(rng.randrange(2**31))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        num_seqs, context, block_size = 64, 512, 16
+        width = context // block_size
+        k_cache, v_cache = (allocate_kv(num_seqs * width, block_size, 2, 64, torch.float32, torch.device("cpu"))
+                            for _ in range(2))
+        k_cache.copy_(torch.randn(k_cache.shape))
+        v_cache.copy_(torch.randn(v_cache.shape))
+        tables = torch.randperm(num_seqs * width, dtype=torch.int32).view(num_seqs, width)
+        q = torch.randn(num_seqs, 8, 64)
+        out = torch.empty_like(q)
+        lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+        paged_attention(out, q, head_major(k_cache), head_major(v_cache), tables, qsl, lens, 0.125, None, None)
+        before = _cpu_seconds_by_thread()
+        for _ in range(200):  # ~1 s of work
+            paged_attention(out, q, head_major(k_cache), head_major(v_cache), tables, qsl, lens, 0.125, None, None)
+        after = _cpu_seconds_by_thread()
+    finally:
+        torch.set_num_threads(threads)
+    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+    assert used[0] > 0.2, f"the op hardly ran ({used[:3]} CPU seconds by thread)"
+    assert used[1] > 0.25 * used[0], f"one thread did the work: CPU seconds by thread {used[:3]}"
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build's flags name an x86-64 level")

@@ -2,9 +2,11 @@
 //
 // One work item is (query row, KV head): the item's query heads (GQA group) share each key and value
 // row it loads, so the cache is read once per item and never copied. A query row at position p sees
-// keys in (p - window, p]. Two passes per item: scores for every visible key, then softmax and the
-// weighted sum of values. Items run on torch's own thread pool with a shared counter, longest
-// sequences first, because item costs vary with context length and a static split idles a core.
+// keys in (p - window, p]. One pass per item, 16 keys at a time: their scores, an online softmax
+// (running max and sum per head, the output rescaled when the max grows), then the weighted values,
+// so each key and value row comes from memory once and is used while it is in L1. Items run on
+// torch's own thread pool with a shared counter, longest sequences first, because item costs vary
+// with context length and a static split idles a core.
 //
 // Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
 // are not separate worlds here either.
@@ -55,19 +57,24 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// The online softmax for one head over one piece of n <= 16 scores: s[j] becomes exp(s[j] - m) with m the
+// running max, raised first if the piece holds a larger score (then the sum and the head's accumulated
+// output, dim floats, are rescaled to it). The sum is kept unnormalised; the output is divided at the end.
 #if !defined(__AVX512F__)
-// s[j] = exp(s[j] - max(s)) over n scores; returns their sum (the caller divides the output by it).
-inline float exp_shifted(float* s, int64_t n) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-  float sum = 0.f;
+inline void online_softmax(float* s, int64_t n, float& m, float& sum, float* acc, int64_t dim) {
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  if (mx > m) {
+    const float scale = fast_exp(m - mx);
+    sum *= scale;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= scale;
+    m = mx;
+  }
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
     s[j] = fast_exp(s[j] - m);
     sum += s[j];
   }
-  return sum;
 }
 #endif
 
@@ -141,55 +148,55 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// s[j] = exp(s[j] - max(s)) over n scores; returns their sum (the caller divides the output by it).
-inline float exp_shifted(float* s, int64_t n) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
-  m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + j));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 sum = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
+inline void online_softmax(float* s, int64_t n, float& m, float& sum, float* acc, int64_t dim) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512 x = _mm512_maskz_loadu_ps(keep, s);
+  if (_mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(m), _CMP_GT_OQ)) {  // rare once past the first pieces
+    const float mx = _mm512_mask_reduce_max_ps(keep, x);
+    const float scale = fast_exp(m - mx);
+    sum *= scale;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= scale;
+    m = mx;
   }
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx));
-  _mm512_mask_storeu_ps(s + j, tail, e);
-  sum = _mm512_mask_add_ps(sum, tail, sum, e);
-  return _mm512_reduce_add_ps(sum);
+  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+  _mm512_storeu_ps(s, e);
+  sum += _mm512_reduce_add_ps(e);
 }
 
-template <int NC, typename T>
-inline void block_scores(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
-                         int64_t stride) {
-  for (int64_t j = 0; j < n; j += 16)
-    block_scores16<NC>(q, k + j * k_tok, k_tok, std::min<int64_t>(16, n - j), group, scores + j, stride);
-}
-
-// acc_g += sum_j w[g * stride + j] * v_j over the n rows of one block.
-template <int NC, typename T>
-inline void block_values(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
-                         float* acc) {
-  if (group * NC > 16) {  // accumulators and the value row would not fit in 32 registers: a head at a time
-    for (int64_t g = 0; g < group; ++g) block_values<NC>(w + g * stride, stride, v, v_tok, n, 1, acc + g * NC * 16);
-    return;
-  }
-  __m512 a[4][NC];
-  for (int64_t g = 0; g < group; ++g)
+// acc_g += sum_j w[g * stride + j] * v_j over the n rows of one block piece, for G query heads at once: a
+// compile-time G keeps the accumulators in registers (with a runtime count they live on the stack).
+template <int NC, int G, typename T>
+inline void block_values_g(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, float* acc) {
+  __m512 a[G][NC];
+  for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     const T* row = v + j * v_tok;
     __m512 vr[NC];
     for (int c = 0; c < NC; ++c) vr[c] = load16(row + c * 16);
-    for (int64_t g = 0; g < group; ++g) {
+    for (int g = 0; g < G; ++g) {
       const __m512 wj = _mm512_set1_ps(w[g * stride + j]);
       for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(wj, vr[c], a[g][c]);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
+  for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, a[g][c]);
+}
+
+// The group's heads in as few passes over the piece (in L1) as fit in 32 registers with the value row.
+template <int NC, typename T>
+inline void block_values(const float* w, int64_t stride, const T* v, int64_t v_tok, int64_t n, int64_t group,
+                         float* acc) {
+  constexpr int kMax = NC <= 4 ? 4 : (NC <= 8 ? 2 : 1);
+  int64_t g = 0;
+  for (; g + kMax <= group; g += kMax) block_values_g<NC, kMax>(w + g * stride, stride, v, v_tok, n, acc + g * NC * 16);
+  switch (group - g) {
+    case 3: block_values_g<NC, 3>(w + g * stride, stride, v, v_tok, n, acc + g * NC * 16); break;
+    case 2: block_values_g<NC, 2>(w + g * stride, stride, v, v_tok, n, acc + g * NC * 16); break;
+    case 1: block_values_g<NC, 1>(w + g * stride, stride, v, v_tok, n, acc + g * NC * 16); break;
+    default: break;
+  }
 }
 #endif
 
@@ -222,10 +229,10 @@ inline void block_values_generic(const float* w, int64_t stride, const T* v, int
   }
 }
 
-// Start fetching a block before it is read: blocks lie wherever the allocator put them, so the hardware
+// Start fetching a piece before it is read: blocks lie wherever the allocator put them, so the hardware
 // prefetcher, which follows a stream within a page, only meets each one at its first miss. Two lines
-// are enough to set it going on the block's page; a prefetch per line costs more than it saves once
-// the cache is warm (measured: pass 1 ran at half speed from L2).
+// are enough to set it going on the piece's page; a prefetch per line costs more than it saves
+// (measured with bench/attention_micro.py).
 template <typename T>
 inline void start_fetch(const T* p) {
   __builtin_prefetch(p, 0, 2);
@@ -258,59 +265,56 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
 
+  constexpr int64_t kPiece = 16;  // keys scored and weighed together: one register of scores per head
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(group * dim), acc(group * dim), inv_sum(group), scores;
+    std::vector<float> qf(group * dim), acc(group * dim), m(group), sum(group), w(group * kPiece);
     int64_t i;
     while ((i = next.fetch_add(1, std::memory_order_relaxed)) < num_items) {
       const Item& it = items[i / num_kv_heads];
       const int64_t h = i % num_kv_heads;
       const int64_t first = window > 0 ? std::max<int64_t>(0, it.pos - window + 1) : 0;
-      const int64_t n = it.pos + 1 - first;
-      scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + it.row * q_row + (h * group + g) * q_head;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
       }
-      const int32_t* table = tables + it.seq * table_row;
-      // Pass 1: scores, a block at a time: the block's rows stay in L1 while every query head reads them.
-      for (int64_t t = first; t <= it.pos;) {
-        const int64_t off = t % block_size, n_blk = std::min(block_size - off, it.pos + 1 - t);
-        const T* k = kp + h * k_head + table[t / block_size] * k_block + off * k_tok;
-        float* s = scores.data() + (t - first);
-        // Start the next key block for this pass and this block's values for pass 2 (they stay in L2).
-        if (t + n_blk <= it.pos) start_fetch(kp + h * k_head + table[(t + n_blk) / block_size] * k_block);
-        start_fetch(vp + h * v_head + table[t / block_size] * v_block + off * v_tok);
-#if defined(__AVX512F__)
-        if constexpr (NC > 0) block_scores<NC>(qf.data(), k, k_tok, n_blk, group, s, n);
-        else
-#endif
-          block_scores_generic<NC>(qf.data(), k, k_tok, n_blk, group, dim, s, n);
-        t += n_blk;
-      }
-      // Softmax per query head (soft-capped scores as Gemma 2 defines them), left unnormalised: the
-      // output is divided by the sum instead, 64-odd floats rather than every weight.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        if (cap > 0.f)
-          for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-        inv_sum[g] = 1.f / exp_shifted(s, n);
-      }
-      // Pass 2: weighted sum of values, likewise a block at a time.
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int32_t* table = tables + it.seq * table_row;
+      const T* k_base = kp + h * k_head;
+      const T* v_base = vp + h * v_head;
       for (int64_t t = first; t <= it.pos;) {
-        const int64_t off = t % block_size, n_blk = std::min(block_size - off, it.pos + 1 - t);
-        const T* v = vp + h * v_head + table[t / block_size] * v_block + off * v_tok;
-        const float* w = scores.data() + (t - first);
+        const int64_t off = t % block_size;
+        const int64_t n = std::min({kPiece, block_size - off, it.pos + 1 - t});
+        const int64_t block = table[t / block_size];
+        if (t + n <= it.pos) {  // the next piece's keys and values
+          const int64_t b = table[(t + n) / block_size], o = (t + n) % block_size;
+          start_fetch(k_base + b * k_block + o * k_tok);
+          start_fetch(v_base + b * v_block + o * v_tok);
+        }
+        const T* k = k_base + block * k_block + off * k_tok;
+        const T* v = v_base + block * v_block + off * v_tok;
 #if defined(__AVX512F__)
-        if constexpr (NC > 0) block_values<NC>(w, n, v, v_tok, n_blk, group, acc.data());
+        if constexpr (NC > 0) block_scores16<NC>(qf.data(), k, k_tok, n, group, w.data(), kPiece);
         else
 #endif
-          block_values_generic<NC>(w, n, v, v_tok, n_blk, group, dim, acc.data());
-        t += n_blk;
+          block_scores_generic<NC>(qf.data(), k, k_tok, n, group, dim, w.data(), kPiece);
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = w.data() + g * kPiece;
+          if (cap > 0.f)  // soft-capped scores, as Gemma 2 defines them
+            for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+          online_softmax(s, n, m[g], sum[g], acc.data() + g * dim, dim);
+        }
+#if defined(__AVX512F__)
+        if constexpr (NC > 0) block_values<NC>(w.data(), kPiece, v, v_tok, n, group, acc.data());
+        else
+#endif
+          block_values_generic<NC>(w.data(), kPiece, v, v_tok, n, group, dim, acc.data());
+        t += n;
       }
       for (int64_t g = 0; g < group; ++g) {
-        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv_sum[g];
+        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] /= sum[g];
         from_float(op + it.row * o_row + (h * group + g) * o_head, acc.data() + g * dim, dim);
       }
     }
