@@ -57,7 +57,7 @@ def main() -> None:
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
         caches.append((head_major(k), head_major(v)))
-    tables = (torch.arange(num_blocks) if __import__("os").environ.get("SEQ_TABLES") else torch.randperm(num_blocks))[: args.batch * width].view(args.batch, width).int()
+    tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
     seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)
     qsl = torch.arange(args.batch + 1, dtype=torch.int32)
     q = torch.randn(args.batch, hq, dim).to(dtype)
