@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.huge_pages import empty_huge
+from engine.huge_pages import zeros_huge
 
 
 @dataclass
@@ -78,7 +78,7 @@ def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
     """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
     if device.type == "cpu":
-        memory = empty_huge(shape, dtype)  # the cache is read in scattered pages: spare the TLB
+        memory = zeros_huge(shape, dtype)  # read in scattered pages: spare the TLB; faulted in now
     else:
         memory = torch.empty(shape, dtype=dtype, device=device)
     return memory.permute(1, 2, 0, 3)

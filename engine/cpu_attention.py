@@ -17,7 +17,7 @@ class CpuPagedAttention:
     chunks alike, in one call per layer."""
 
     # The op reads only positions up to each query's own, all written before it attends: fresh blocks
-    # need no zeroing (a first touch of new pages costs enough on its own).
+    # need no zeroing.
     reads_unwritten_slots = False
 
     def forward(

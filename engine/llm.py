@@ -60,10 +60,12 @@ class LLM:
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype)
         num_blocks = self._num_blocks(max_len)
+        started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = min(max_len, num_blocks * self.config.block_size)
-        log.info("KV cache: %d blocks = %d tokens (%s, %s)", num_blocks, num_blocks * self.config.block_size,
-                 self.dtype, self.device)
+        log.info("KV cache: %d blocks = %d tokens (%s, %s; %.1f GB, allocated in %.1f s)", num_blocks,
+                 num_blocks * self.config.block_size, self.dtype, self.device,
+                 num_blocks * self.runner.bytes_per_block() / 1e9, time.perf_counter() - started)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)

@@ -81,8 +81,9 @@ class ModelRunner:
     def zero_fresh_blocks(self, num_touched: int) -> None:
         """Zero blocks on first use rather than all at start-up (touching gigabytes takes seconds):
         masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN. A backend
-        that never loads a slot before it is written (Triton's masked loads) skips this."""
-        if not getattr(self.backend, "reads_unwritten_slots", True):
+        that never loads a slot before it is written (Triton's masked loads) skips this, and so does a
+        CPU cache, which starts zeroed (engine/huge_pages.py)."""
+        if not getattr(self.backend, "reads_unwritten_slots", True) or self.device.type == "cpu":
             return
         if num_touched > self.num_zeroed_blocks:
             for k, v in self.kv_caches:
