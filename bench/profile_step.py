@@ -49,7 +49,7 @@ def categorize(events: list) -> dict[str, float]:
             totals["KV write"] += e.cpu_time_total
         elif name in CATEGORIES:
             totals[CATEGORIES[name]] += e.cpu_time_total
-        elif name in ("aten::argmax", "aten::softmax", "aten::topk", "aten::sort"):
+        elif name in ("aten::argmax", "aten::max", "aten::softmax", "aten::topk", "aten::sort"):
             totals["sampling"] += e.cpu_time_total
     return totals
 
