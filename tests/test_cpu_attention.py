@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import random
+import time
 from collections.abc import Callable
 
 import pytest
@@ -127,14 +128,14 @@ def test_the_op_runs_on_more_than_one_thread() -> None:
         lens = torch.full((num_seqs,), context, dtype=torch.int32)
         qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
         paged_attention(out, q, head_major(k_cache), head_major(v_cache), tables, qsl, lens, 0.125, None, None)
-        before = _cpu_seconds_by_thread()
-        for _ in range(200):  # ~1 s of work
+        before, started = _cpu_seconds_by_thread(), time.monotonic()
+        while time.monotonic() - started < 1.0:  # enough for the 10 ms ticks of the CPU times
             paged_attention(out, q, head_major(k_cache), head_major(v_cache), tables, qsl, lens, 0.125, None, None)
         after = _cpu_seconds_by_thread()
     finally:
         torch.set_num_threads(threads)
     used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
-    assert used[0] > 0.2, f"the op hardly ran ({used[:3]} CPU seconds by thread)"
+    assert used[0] > 0.3, f"the op hardly ran ({used[:3]} CPU seconds by thread)"
     assert used[1] > 0.25 * used[0], f"one thread did the work: CPU seconds by thread {used[:3]}"
 
 
