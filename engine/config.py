@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+CPU_LINEAR = ("auto", "aten", "onednn-packed", "fp32-compute")
 
 
 @dataclass
@@ -27,6 +28,9 @@ class EngineConfig:
     # captured (CUDA, Triton, not enforce_eager); True elsewhere runs them padded but eager (tests).
     pad_decode: bool | None = None
     model_impl: str = "auto"  # auto (native where it exists, else transformers) | native | transformers
+    # CPU GEMMs (engine/linear.py): auto = the fastest measured at load | aten | onednn-packed | fp32-compute.
+    # Off the CPU, always aten.
+    cpu_linear: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -37,3 +41,5 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {self.attention_backend!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")

@@ -3,8 +3,10 @@
 CPUs differ: with AMX, bfloat16 matmuls are several times faster than float32; with AVX512-BF16 alone
 they measured slower on some machines; without either they are emulated. So it is measured, once per
 process: one decoder layer's matmuls at the model's shapes and attention over a paged cache, at a
-decode batch, in each dtype, interleaved and best-of-N so a busy machine skews both alike. bfloat16
-must win by a margin, since float32 is exact.
+decode batch, in each dtype, interleaved and best-of-N so a busy machine skews both alike. Each dtype's
+matmuls run the way the engine would run them (engine/linear.py picks the fastest GEMM per dtype, e.g.
+float32 compute for bfloat16 weights where oneDNN's bfloat16 kernel is slow). bfloat16 must win by a
+margin, since float32 is exact.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+
+from engine import linear
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +39,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def pick_cpu_dtype(config: Any) -> tuple[torch.dtype, str]:
-    """The dtype for this model on this CPU, and the reason (for the log)."""
+def pick_cpu_dtype(config: Any, cpu_linear: str = "auto") -> tuple[torch.dtype, str]:
+    """The dtype for this model on this CPU, and the reason (for the log). ``cpu_linear``: the engine's
+    setting of that name; each dtype is timed with the GEMMs it would select."""
     flags = cpu_flags()
     if not flags & set(BF16_FLAGS):
         return torch.float32, "this CPU has no bfloat16 instructions (amx_bf16, avx512_bf16)"
-    layer = {dt: _decode_layer(config, dt) for dt in (torch.float32, torch.bfloat16)}
+    impl = {dt: _linear_impl(config, dt, cpu_linear) for dt in (torch.float32, torch.bfloat16)}
+    layer = {dt: _decode_layer(config, dt, impl[dt]) for dt in impl}
     best = {dt: float("inf") for dt in layer}
     for _ in range(REPEATS):
         for dt, run in layer.items():
@@ -49,28 +55,40 @@ def pick_cpu_dtype(config: Any) -> tuple[torch.dtype, str]:
             best[dt] = min(best[dt], time.perf_counter() - t0)
     f32, bf16 = best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3
     has = ", ".join(f for f in BF16_FLAGS if f in flags)
-    detail = f"one decode layer at batch {BATCH} took {f32:.2f} ms in float32, {bf16:.2f} ms in bfloat16 ({has})"
+    detail = (f"one decode layer at batch {BATCH} took {f32:.2f} ms in float32 ({impl[torch.float32]} GEMMs), "
+              f"{bf16:.2f} ms in bfloat16 ({impl[torch.bfloat16]} GEMMs; {has})")
     if bf16 * MARGIN < f32:
         return torch.bfloat16, detail
     return torch.float32, detail
 
 
-def _decode_layer(config: Any, dtype: torch.dtype) -> Callable[[], None]:
-    """A closure running one layer's matmuls and attention at a decode step's shapes."""
+def _linear_impl(config: Any, dtype: torch.dtype, requested: str) -> str:
+    """What engine/linear.py would run this dtype's GEMMs with (a forced choice where it applies)."""
+    if requested != "auto" and requested in linear.candidates(dtype):
+        return requested
+    return linear.choose(linear.model_gemm_shapes(config), dtype)[0]
+
+
+def _decode_layer(config: Any, dtype: torch.dtype, impl: str) -> Callable[[], None]:
+    """A closure running one layer's matmuls (by ``impl``) and attention at a decode step's shapes."""
     # Not every architecture names these (GPT-NeoX has no KV head count): the usual defaults stand in.
     hidden, heads = config.hidden_size, config.num_attention_heads
-    inter = getattr(config, "intermediate_size", None) or 4 * hidden
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    shapes = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(BATCH, i, generator=gen).to(dtype) for i, _ in shapes]
-    ws = [torch.randn(o, i, generator=gen).to(dtype) for i, o in shapes]
+    xs, layers = [], []
+    for i, o in linear.model_gemm_shapes(config).layer:
+        xs.append(torch.randn(BATCH, i, generator=gen).to(dtype))
+        dense = nn.Linear(i, o, bias=False, dtype=dtype)
+        with torch.no_grad():
+            dense.weight.copy_(torch.randn(o, i, generator=gen))
+        layers.append(linear.make_linear(impl, dense))
     attend = _attention(dtype, heads, kv_heads, head_dim)
 
     def run() -> None:
-        for x, w in zip(xs, ws, strict=True):
-            F.linear(x, w)
+        with torch.inference_mode():
+            for x, layer in zip(xs, layers, strict=True):
+                layer(x)
         attend()
 
     run()  # first calls pay for one-off set-up

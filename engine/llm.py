@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GuidedDecoding, advance_guide
+from engine.linear import use_cpu_linear
 from engine.loader import (
     check_decoder_only,
     dense_path,
@@ -47,7 +48,7 @@ class LLM:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
         check_decoder_only(load_config(model))  # before anything reads the config as a decoder's
-        self.dtype = _pick_dtype(self.config.dtype, self.device, model)
+        self.dtype = _pick_dtype(self.config.dtype, self.device, model, self.config.cpu_linear)
         hf = load_hf_model(model, self.dtype)
         self.tokenizer = load_tokenizer(model)
         self.hf_config = hf.config
@@ -57,6 +58,7 @@ class LLM:
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        self.cpu_linear = use_cpu_linear(net, self.config.cpu_linear, hf.config, self.device, self.dtype)
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype)
         num_blocks = self._num_blocks(max_len)
@@ -299,7 +301,7 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device, model: str | None) -> torch.dtype:
+def _pick_dtype(name: str, device: torch.device, model: str | None, cpu_linear: str) -> torch.dtype:
     if name != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -311,7 +313,7 @@ def _pick_dtype(name: str, device: torch.device, model: str | None) -> torch.dty
 
     from engine.cpu_dtype import pick_cpu_dtype
 
-    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(resolve_model(model))))
+    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(resolve_model(model))), cpu_linear)
     log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)
     return dtype
 

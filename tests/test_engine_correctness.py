@@ -30,6 +30,9 @@ CONFIGS = {
 MAX_NEW = 24
 # The C++ op that reads the cache in place, and the PyTorch fallback used where it cannot be built.
 BACKENDS = ["cpu", "torch"]
+# (attention backend, cpu_linear): on the C++ op, each float32 GEMM path that "auto" chooses between
+# (engine/linear.py), forced; on the fallback, whichever "auto" chooses.
+BACKEND_LINEAR = [("cpu", "aten"), ("cpu", "onednn-packed"), ("torch", "auto")]
 
 
 def _run_and_compare(llm: LLM, hf: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:
@@ -45,11 +48,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tiny_models_match_transformers_in_a_mixed_batch(tiny: tuple[Path, Any], backend: str) -> None:
+@pytest.mark.parametrize(("backend", "linear"), BACKEND_LINEAR)
+def test_tiny_models_match_transformers_in_a_mixed_batch(tiny: tuple[Path, Any], backend: str, linear: str) -> None:
     path, hf = tiny
     rng = random.Random(fresh_seed())
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, attention_backend=backend)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20, attention_backend=backend, cpu_linear=linear)
     _run_and_compare(llm, hf, random_prompts(rng, 10, 1, 70))
 
 
