@@ -278,7 +278,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], 
 def _ratio(v: float | None, percent: bool) -> str:
     if v is None:
         return "-"
-    return f"{100 * v:.0f}%" if percent else f"{v:.2f}x"
+    return f"{100 * v:.1f}%" if percent else f"{v:.2f}x"  # 49.8% must not print as 50%
 
 
 def _check(c: dict[str, Any]) -> str:
