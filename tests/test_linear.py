@@ -68,10 +68,11 @@ def test_the_choice_is_the_fastest_measured_and_logged(caplog: pytest.LogCapture
         assert impl in linear.candidates(dtype)
         ms = dict(re.findall(r"([\w-]+) ([\d.]+)", why.split("ms:")[1]))
         assert sorted(ms) == sorted(linear.candidates(dtype)), why
-        fastest = min(ms, key=lambda i: float(ms[i]))
-        assert impl in (fastest, "aten"), why
-        if impl == "aten" and fastest != "aten":  # only within the margin that keeps aten
-            assert float(ms[fastest]) * linear.MARGIN >= float(ms["aten"]), why
+        # The log rounds to a microsecond, so compare as it prints: two ways may tie there.
+        low = min(float(v) for v in ms.values())
+        assert impl == "aten" or float(ms[impl]) == low, why
+        if impl == "aten":  # kept unless another way beat it by the margin
+            assert low * linear.MARGIN + 0.002 >= float(ms["aten"]), why
     net = nn.Sequential(nn.Linear(8, 8))
     with caplog.at_level(logging.INFO, logger="engine.linear"):
         impl = linear.use_cpu_linear(net, "auto", TINY, torch.device("cpu"), torch.float32)
