@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from engine import linear
 
@@ -79,10 +78,7 @@ def _decode_layer(config: Any, dtype: torch.dtype, impl: str) -> Callable[[], No
     xs, layers = [], []
     for i, o in linear.model_gemm_shapes(config).layer:
         xs.append(torch.randn(BATCH, i, generator=gen).to(dtype))
-        dense = nn.Linear(i, o, bias=False, dtype=dtype)
-        with torch.no_grad():
-            dense.weight.copy_(torch.randn(o, i, generator=gen))
-        layers.append(linear.make_linear(impl, dense))
+        layers.append(linear.make_linear(impl, linear.random_dense(i, o, dtype, gen)))
     attend = _attention(dtype, heads, kv_heads, head_dim)
 
     def run() -> None:

@@ -134,6 +134,14 @@ def make_linear(impl: str, linear: nn.Linear) -> nn.Module:
     raise ValueError(f"cpu_linear must be one of {', '.join(CHOICES)}, not {impl!r}")
 
 
+def random_dense(in_features: int, out_features: int, dtype: torch.dtype, gen: torch.Generator) -> nn.Linear:
+    """A bias-free layer with normal weights from ``gen``: what the probes time."""
+    dense = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+    return dense
+
+
 # ---- choosing -----------------------------------------------------------------------------------
 def time_gemms(shapes: Sequence[Shape], impls: Sequence[str], dtype: torch.dtype, batch: int, repeats: int,
                max_elements: int | None = PROBE_ELEMENTS) -> dict[str, dict[Shape, float]]:
@@ -147,9 +155,7 @@ def time_gemms(shapes: Sequence[Shape], impls: Sequence[str], dtype: torch.dtype
         rows = n if max_elements is None else max(1, min(n, max_elements // k))
         scale[(k, n)] = n / rows
         x = torch.randn(batch, k, generator=gen).to(dtype)
-        ref = nn.Linear(k, rows, bias=False, dtype=dtype)
-        with torch.no_grad():
-            ref.weight.copy_(torch.randn(rows, k, generator=gen))
+        ref = random_dense(k, rows, dtype, gen)
         for impl in impls:
             runs[(impl, (k, n))] = functools.partial(make_linear(impl, ref), x)
     best = {key: float("inf") for key in runs}

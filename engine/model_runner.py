@@ -64,7 +64,7 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
-        self.num_zeroed_blocks = 0
+        self.num_zeroed_blocks = num_blocks if self.device.type == "cpu" else 0  # allocate_kv zeroes CPU caches
 
     def _capture_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.enforce_eager
@@ -81,9 +81,9 @@ class ModelRunner:
     def zero_fresh_blocks(self, num_touched: int) -> None:
         """Zero blocks on first use rather than all at start-up (touching gigabytes takes seconds):
         masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN. A backend
-        that never loads a slot before it is written (Triton's masked loads) skips this, and so does a
-        CPU cache, which starts zeroed (engine/huge_pages.py)."""
-        if not getattr(self.backend, "reads_unwritten_slots", True) or self.device.type == "cpu":
+        that never loads a slot before it is written (Triton's masked loads) skips this; a CPU cache
+        starts zeroed (engine/huge_pages.py), so all its blocks count as zeroed from the start."""
+        if not getattr(self.backend, "reads_unwritten_slots", True):
             return
         if num_touched > self.num_zeroed_blocks:
             for k, v in self.kv_caches:

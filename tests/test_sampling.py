@@ -116,3 +116,20 @@ def test_stop_string_in_generation(llm: LLM) -> None:
     out = llm.generate([Request("b", prompt_token_ids=prompt, params=SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))])[0]
     assert out.finish_reason == "stop"
     assert out.text == first.text[: first.text.find(stop)]
+
+
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    """As transformers' argmax does: on a tie the lowest token id wins (greedy parity depends on it)."""
+    from engine.sampler import sample
+    from engine.sequence import Sequence
+
+    rng = random.Random(fresh_seed())
+    vocab = 49152
+    seqs = [Sequence(i, f"r{i}", 0, [1, 2, 3], 3, SamplingParams()) for i in range(8)]
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    firsts = []
+    for row in range(len(seqs)):
+        tied = sorted(rng.sample(range(vocab), rng.randint(2, 5)))
+        logits[row, tied] = 100.0
+        firsts.append(tied[0])
+    assert sample(logits, seqs, [set() for _ in seqs]).token_ids == firsts
