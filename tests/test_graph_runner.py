@@ -29,11 +29,13 @@ def test_decode_buckets() -> None:
 
 
 def _requests(rng: random.Random, n: int) -> list[Request]:
-    """Mixed lengths (so the batch shrinks through every bucket), greedy and seeded sampling."""
+    """Greedy and seeded sampling, each request a different length, so the batch shrinks one row at a
+    time through every bucket (random lengths could end many together: a seed left the batch at >= 5)."""
     reqs = []
+    lengths = rng.sample(range(2, 2 + n), n)
     for i, prompt in enumerate(random_prompts(rng, n, 1, 40)):
         kind = i % 3
-        params = SamplingParams(max_tokens=rng.randint(2, 14), ignore_eos=True)
+        params = SamplingParams(max_tokens=lengths[i], ignore_eos=True)
         if kind == 1:
             params = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=0.9, top_p=0.9,
                                     seed=rng.randrange(10**6))
