@@ -8,7 +8,7 @@ against one from an older commit:
     python bench/attention_micro.py --sources /tmp/old.cpp,kernels/cpu/paged_attention.cpp
 
 Each source is built under its own op namespace. SmolLM2-135M's shapes by default: 9 query heads over
-3 KV heads of 64, blocks of 16, blocks handed out in random order.
+3 KV heads of 64, blocks of 16 (``--block-size``), blocks handed out in random order.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=160)
     ap.add_argument("--context", type=int, default=250)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -48,7 +49,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     sources = [Path(s) for s in args.sources.split(",")]
     ops = [load_variant(s, f"sluice_micro{i}") for i, s in enumerate(sources)]
-    hq, hkv, dim, block = 9, 3, 64, 16
+    hq, hkv, dim, block = 9, 3, 64, args.block_size
     width = -(-args.context // block)
     num_blocks = args.batch * width + 8
     caches = []

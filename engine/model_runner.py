@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.backend = make_backend(config, device)
-        # On CUDA the Triton path also fuses RMSNorm + residual and rotary (fewer launches a layer).
+        self.kernels = elementwise_kernels(self.backend, device)
         if hasattr(model, "use_fused_kernels"):  # the native path; the transformers path runs its own layers
-            model.use_fused_kernels(device.type == "cuda" and isinstance(self.backend, TritonAttention))
+            model.use_fused_kernels(self.kernels)
+        # Greedy rows' argmax: the C++ op's single pass where it is built, else torch.
+        self.first_max = getattr(self.kernels, "argmax", None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.decode_runner: DecodeGraphRunner | None = None
@@ -158,7 +161,7 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden)  # sampled where it lies: only token ids come back
         apply_guided_masks(logits, samplers)  # structured output: masks the constrained rows in place
-        out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers])
+        out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers], self.first_max)
         return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
@@ -242,6 +245,23 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
 
         return CpuPagedAttention()
     return TorchAttention(config.block_size)
+
+
+def elementwise_kernels(backend: AttentionBackend, device: torch.device) -> ModuleType | None:
+    """The fused RMSNorm (+ residual), rotary and SiLU * up kernels that go with the attention backend, so a
+    layer's small ops are one launch or dispatch each: Triton's beside Triton attention on CUDA, the C++ ops
+    (and their argmax) beside the C++ attention op, built with it; None (eager PyTorch) beside the fallback."""
+    if isinstance(backend, TritonAttention) and device.type == "cuda":
+        from kernels import fused
+
+        return fused
+    from engine.cpu_attention import CpuPagedAttention
+
+    if isinstance(backend, CpuPagedAttention):
+        from kernels import cpu_fused
+
+        return cpu_fused
+    return None
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

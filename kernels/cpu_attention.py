@@ -1,5 +1,5 @@
-"""Build (once, cached) and load the C++ CPU attention ops in ``kernels/cpu/``: paged attention and the
-KV-cache write.
+"""Build (once, cached) and load the C++ CPU ops in ``kernels/cpu/``: paged attention, the KV-cache write,
+the decoder layer's fused elementwise ops and greedy argmax (wrapped in ``kernels/cpu_fused.py``).
 
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
@@ -26,10 +26,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
+                                                           "argmax.cpp")]
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# -ffp-contract=off: a multiply and an add stay two roundings, as in eager PyTorch (fused.cpp's rotary is
+# bit-identical to the model's in float32); the kernels ask for fused multiply-adds where they want them.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 
 
 def _cpu_flags() -> str:

@@ -1,11 +1,14 @@
-"""Fused elementwise kernels for the decoder layer: residual add + RMSNorm, and rotary embedding.
+"""Fused elementwise kernels for the decoder layer: residual add + RMSNorm, rotary embedding, SiLU * up.
 
 In eager PyTorch each is 6-10 kernels with float32 temporaries; at decode sizes the launches, not the
 bytes, are the cost. Both follow the arithmetic of ``engine/models/llama.py`` (itself transformers'):
 
 * RMSNorm: ``weight * (h.float() * rsqrt(mean(h.float()**2) + eps)).to(dtype)`` with ``h = x + residual``
   rounded to the activation dtype first, as the unfused ``x = x + attn(...)`` stores it;
-* rotary: ``x * cos + rotate_half(x) * sin`` with the float32 tables cast to the activation dtype.
+* rotary: ``x * cos + rotate_half(x) * sin`` with the float32 tables cast to the activation dtype;
+* ``F.silu(gate) * up``, the SiLU rounded to the activation dtype before the product.
+
+kernels/cpu_fused.py has the same functions as C++ CPU ops.
 """
 
 from __future__ import annotations
@@ -128,6 +131,11 @@ def _rotary_kernel(
     _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_kv_heads, cos1, sin1, cos2, sin2, HALF, BLOCK_HK)
 
 
+def rotary_supports(head_dim: int) -> bool:
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half & (half - 1) == 0  # tl.arange needs a power-of-two half
+
+
 def apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,3 +167,28 @@ def apply_rotary(
             num_warps=4,
         )
     return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # rounded, as F.silu stores it
+    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``gate_up [T, 2I]``."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0, gate_up.shape
+    n_cols = gate_up.shape[1] // 2
+    out = gate_up.new_empty(gate_up.shape[0], n_cols)
+    block = min(1024, triton.next_power_of_2(n_cols))
+    if gate_up.shape[0]:
+        _silu_and_mul_kernel[(gate_up.shape[0], triton.cdiv(n_cols, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4
+        )
+    return out

@@ -1,18 +1,25 @@
-"""The fused RMSNorm (+ residual) and rotary kernels under the interpreter, against the model's own
-PyTorch formulas (engine/models/llama.py). Fresh random inputs each run from a printed seed."""
+"""The fused RMSNorm (+ residual), rotary and SiLU * up kernels, the Triton ones under the interpreter and
+the C++ CPU ops, against the model's own PyTorch formulas (engine/models/llama.py). Fresh random inputs
+each run from a printed seed."""
 
 from __future__ import annotations
 
 import random
+from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import fresh_seed
 
-from kernels.fused import apply_rotary, rms_norm
+from kernels import cpu_fused, fused
 from kernels.reference import relative_error
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+KERNELS = [pytest.param(fused, id="triton"), pytest.param(cpu_fused, id="cpp")]
+# The interpreter gets bfloat16 arithmetic wrong; the C++ ops are checked in it too.
+DTYPES = [pytest.param(k, d, id=f"{name}-{str(d)[6:]}") for k, name in ((fused, "triton"), (cpu_fused, "cpp"))
+          for d in (torch.float32, torch.float16)] + [pytest.param(cpu_fused, torch.bfloat16, id="cpp-bfloat16")]
 
 
 @pytest.fixture
@@ -40,32 +47,32 @@ def rotary_reference(
     return xd * c + rotated * s
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kernels,dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 576, 2048])
-def test_rms_norm(rng: random.Random, dtype: torch.dtype, hidden: int) -> None:
+def test_rms_norm(rng: random.Random, kernels: ModuleType, dtype: torch.dtype, hidden: int) -> None:
     tokens = rng.randint(1, 40)
     x = (torch.randn(tokens, hidden) * 3).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-    out = rms_norm(x, weight, 1e-5)
+    out = kernels.rms_norm(x, weight, 1e-5)
     err = relative_error(out, torch_rms_norm(x, weight, 1e-5).double())
     assert err <= TOL[dtype], err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norm_with_residual(rng: random.Random, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kernels,dtype", DTYPES)
+def test_rms_norm_with_residual(rng: random.Random, kernels: ModuleType, dtype: torch.dtype) -> None:
     tokens, hidden = rng.randint(1, 40), rng.choice([576, 2048])
     x = torch.randn(tokens, hidden).to(dtype)
     residual = (torch.randn(tokens, hidden) * 4).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-    out, h = rms_norm(x, weight, 1e-6, residual=residual)
+    out, h = kernels.rms_norm(x, weight, 1e-6, residual=residual)
     assert torch.equal(h, residual + x)  # the residual stream, rounded as the unfused add rounds it
     err = relative_error(out, torch_rms_norm(residual + x, weight, 1e-6).double())
     assert err <= TOL[dtype], err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kernels,dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 64), (8, 1, 128)])
-def test_rotary(rng: random.Random, dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+def test_rotary(rng: random.Random, kernels: ModuleType, dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
     tokens, max_pos = rng.randint(1, 30), 4096
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq[None, :]
@@ -79,16 +86,46 @@ def test_rotary(rng: random.Random, dtype: torch.dtype, hq: int, hkv: int, d: in
     v_before = qkv[:, (hq + hkv) * d :].clone()
     ref_q = rotary_reference(q, cos, sin, positions)
     ref_k = rotary_reference(k, cos, sin, positions)
-    out_q, out_k = apply_rotary(positions, q, k, cos, sin)
+    eager = qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d)
+    half = d // 2
+    sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    eager = (eager * cos[positions].to(dtype)[:, None] + eager.roll(half, dims=-1) * sin_signed[positions].to(dtype)[:, None])
+    out_q, out_k = kernels.apply_rotary(positions, q, k, cos, sin)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
     assert relative_error(q, ref_q) <= TOL[dtype]
     assert relative_error(k, ref_k) <= TOL[dtype]
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    if kernels is cpu_fused:  # rounds where the eager model rounds: the same bits
+        assert torch.equal(torch.cat((q, k), dim=1), eager)
 
 
-def test_model_with_fused_kernels_matches_eager(rng: random.Random) -> None:
-    """The model's switch to the fused kernels (on for CUDA + Triton): a packed step of prompt chunks
-    through the whole tiny model gives the eager model's hidden states."""
+def test_cpp_rotary_rejects_a_position_outside_its_tables() -> None:
+    cos = sin = torch.zeros(8, 64)
+    q, k = torch.zeros(2, 4, 64), torch.zeros(2, 1, 64)
+    with pytest.raises(RuntimeError, match="position 8 is outside the rotary tables"):
+        cpu_fused.apply_rotary(torch.tensor([0, 8]), q, k, cos, sin)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's exp(100): inf, as on a GPU
+@pytest.mark.parametrize("kernels,dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [128, 1536, 1000])
+def test_silu_and_mul(rng: random.Random, kernels: ModuleType, dtype: torch.dtype, intermediate: int) -> None:
+    tokens = rng.randint(1, 40)
+    gate_up = (torch.randn(tokens, 2 * intermediate) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends and zero
+    gate, up = gate_up.split(intermediate, dim=-1)
+    out = kernels.silu_and_mul(gate_up)
+    assert out.shape == (tokens, intermediate) and out.dtype == dtype
+    ref = F.silu(gate.double()).to(dtype).double() * up.double()
+    assert relative_error(out, ref) <= TOL[dtype]
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: ModuleType) -> None:
+    """The model's switch to the fused kernels (Triton's with Triton attention on CUDA, the C++ ops with
+    the C++ attention op): a packed step of prompt chunks through the whole tiny model gives the eager
+    model's hidden states."""
     from transformers import LlamaConfig
 
     from engine.config import EngineConfig
@@ -104,8 +141,9 @@ def test_model_with_fused_kernels_matches_eager(rng: random.Random) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    runner = ModelRunner(EngineConfig(block_size=16), model, torch.device("cpu"), torch.float32)
-    assert not model.rotary.fused and not model.norm.fused  # off on CPU by default
+    runner = ModelRunner(EngineConfig(block_size=16, attention_backend="torch"), model, torch.device("cpu"),
+                         torch.float32)
+    assert model.rotary.kernels is None and model.norm.kernels is None  # eager beside the PyTorch fallback
     lens = [rng.randint(1, 40) for _ in range(3)]
     batch, start = ScheduledBatch(), 0
     for i, n in enumerate(lens):
@@ -118,7 +156,19 @@ def test_model_with_fused_kernels_matches_eager(rng: random.Random) -> None:
     ids, pos, meta, _, _ = runner.prepare(batch)
     with torch.inference_mode():
         eager = model(ids, pos, runner.kv_caches, meta, runner.backend)
-        model.use_fused_kernels(True)
-        assert model.rotary.fused and model.norm.fused
-        fused = model(ids, pos, runner.kv_caches, meta, runner.backend)
-    assert relative_error(fused, eager.double()) <= 1e-5
+        model.use_fused_kernels(kernels)
+        assert model.rotary.kernels is kernels and model.norm.kernels is kernels
+        assert model.layers[0].mlp.kernels is kernels
+        out = model(ids, pos, runner.kv_caches, meta, runner.backend)
+    assert relative_error(out, eager.double()) <= 1e-5
+
+
+def test_the_cpp_attention_op_brings_the_cpp_fused_kernels() -> None:
+    from engine.config import EngineConfig
+    from engine.model_runner import elementwise_kernels, make_backend
+
+    cpu = torch.device("cpu")
+    assert elementwise_kernels(make_backend(EngineConfig(attention_backend="cpu"), cpu), cpu) is cpu_fused
+    assert elementwise_kernels(make_backend(EngineConfig(attention_backend="torch"), cpu), cpu) is None
+    # Triton's kernels only on CUDA: interpreted on a CPU they would be slower than eager.
+    assert elementwise_kernels(make_backend(EngineConfig(attention_backend="triton"), cpu), cpu) is None

@@ -118,10 +118,13 @@ def test_stop_string_in_generation(llm: LLM) -> None:
     assert out.text == first.text[: first.text.find(stop)]
 
 
-def test_greedy_takes_the_first_of_tied_maxima() -> None:
-    """As transformers' argmax does: on a tie the lowest token id wins (greedy parity depends on it)."""
+@pytest.mark.parametrize("first_max", ["torch", "cpp"])
+def test_greedy_takes_the_first_of_tied_maxima(first_max: str) -> None:
+    """As transformers' argmax does: on a tie the lowest token id wins (greedy parity depends on it); with
+    torch's max and with the C++ argmax the runner passes on CPU."""
     from engine.sampler import sample
     from engine.sequence import Sequence
+    from kernels import cpu_fused
 
     rng = random.Random(fresh_seed())
     vocab = 49152
@@ -132,4 +135,24 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
         tied = sorted(rng.sample(range(vocab), rng.randint(2, 5)))
         logits[row, tied] = 100.0
         firsts.append(tied[0])
-    assert sample(logits, seqs, [set() for _ in seqs]).token_ids == firsts
+    argmax = cpu_fused.argmax if first_max == "cpp" else None
+    assert sample(logits, seqs, [set() for _ in seqs], argmax).token_ids == firsts
+
+
+def test_cpp_argmax_is_torch_max_on_ties_nan_and_infinities() -> None:
+    """kernels/cpu/argmax.cpp against ``max(dim=-1).indices``: small integer logits (ties everywhere),
+    rows of -inf, +inf, NaN (torch's max returns the first NaN), widths around the 16-lane chunks."""
+    from kernels.cpu_fused import argmax
+
+    rng = random.Random(fresh_seed())
+    for _ in range(100):
+        rows, width = rng.randint(1, 12), rng.choice([1, 5, 15, 16, 17, 33, 1000, 49152])
+        logits = torch.randint(-3, 4, (rows, width), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        logits = logits.float()
+        if rng.random() < 0.3:
+            logits[rng.randrange(rows), rng.randrange(width)] = float("nan")
+        if rng.random() < 0.2:
+            logits[rng.randrange(rows)] = float("-inf")
+        if rng.random() < 0.2:
+            logits[rng.randrange(rows), rng.randrange(width)] = float("inf")
+        assert torch.equal(argmax(logits), logits.max(dim=-1).indices), logits

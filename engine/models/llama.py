@@ -6,6 +6,7 @@ slots in the explicit ``AttentionMetadata``. q/k/v and gate/up are fused into on
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -22,13 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # kernels/fused.py's Triton kernel: one launch for the add and the norm
+        self.kernels: ModuleType | None = None  # fused kernels (see use_fused_kernels): one op for add + norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if self.fused:
-            from kernels.fused import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
+        if self.kernels is not None and x.dim() == 2:  # Qwen3's per-head q/k norms ([T, H, D] views) stay eager
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -66,23 +65,22 @@ class Rotary(nn.Module):
         half = head_dim // 2
         self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1),
                              persistent=False)
-        self.fused = False  # kernels/fused.py's Triton kernel, rotating q and k in place
+        self.kernels: ModuleType | None = None  # a fused kernel rotating q and k in place
 
     def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's cos and signed-sin rows ``[T, 1, D]``, looked up once for every layer (None on the
         fused path, whose kernel reads the tables by position)."""
-        if self.fused:
+        if self.kernels is not None:
             return None
         return self.cos[positions].to(dtype)[:, None, :], self.sin_signed[positions].to(dtype)[:, None, :]
 
     def forward(self, positions: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
                 qk: torch.Tensor, num_q_heads: int) -> torch.Tensor:
         """Rotate ``qk`` ``[T, Hq + Hkv, D]`` (query heads, then key heads), in one go."""
-        if rows is None:
-            from kernels.fused import apply_rotary
-
-            apply_rotary(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], self.cos, self.sin)
+        if self.kernels is not None:
+            self.kernels.apply_rotary(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], self.cos, self.sin)
             return qk
+        assert rows is not None
         cos, sin_signed = rows
         return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
 
@@ -133,8 +131,11 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.kernels: ModuleType | None = None  # a fused kernel for SiLU(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -191,13 +192,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rotary, rope, kv_cache, meta, backend)
         return self.norm(x, residual)[0]
 
-    def use_fused_kernels(self, on: bool) -> None:
-        """RMSNorm (+ residual) and rotary through kernels/fused.py (Triton; CUDA, or the interpreter)."""
+    def use_fused_kernels(self, kernels: ModuleType | None) -> None:
+        """RMSNorm (+ residual), rotary and SiLU * up through ``kernels``: kernels/fused.py (Triton: CUDA, or
+        the interpreter) or kernels/cpu_fused.py (C++ CPU ops); None: eager PyTorch."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.fused = on
-        half = self.head_dim // 2
-        self.rotary.fused = on and half & (half - 1) == 0  # the rotary kernel needs a power-of-two half
+            if isinstance(module, (RMSNorm, MLP)):
+                module.kernels = kernels
+        self.rotary.kernels = kernels if kernels is not None and kernels.rotary_supports(self.head_dim) else None
 
     def kv_spec(self) -> list[LayerKVSpec]:
         return [LayerKVSpec(self.config.num_key_value_heads, self.head_dim)] * len(self.layers)
