@@ -100,7 +100,7 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
 
 
 def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from kernels.fused import apply_rotary, rms_norm
+    from kernels.fused import apply_rotary, rms_norm, silu_and_mul
 
     for hidden in (576, 2048):  # SmolLM2-135M, Llama-3.2-1B
         x, w = _rand(4, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
@@ -111,6 +111,8 @@ def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
         q, k = qkv[:, : hq * d].view(4, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(4, hkv, d)
         cos, sin = torch.rand(64, d), torch.rand(64, d)
         yield f"rotary-hq{hq}-hkv{hkv}-d{d}", partial(apply_rotary, torch.arange(4), q, k, cos, sin)
+    for intermediate in (1536, 8192):  # SmolLM2-135M, Llama-3.2-1B
+        yield f"silu_and_mul-i{intermediate}", partial(silu_and_mul, _rand(4, 2 * intermediate, dtype=dtype))
 
 
 def compile_launch(launch: Launch, arch: int, stage: str) -> tuple[Any, dict[str, Any]]:

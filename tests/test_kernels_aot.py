@@ -24,6 +24,7 @@ KERNELS = {
     "_prefill_kernel",
     "_rms_norm_kernel",
     "_rotary_kernel",
+    "_silu_and_mul_kernel",
 }
 
 
