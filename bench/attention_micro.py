@@ -1,4 +1,4 @@
-"""Decode attention alone: the C++ op over ``--layers`` separate caches (so the K/V come from DRAM, as
+"""Decode (or, with ``--query-len``, prompt-chunk) attention alone: the C++ op over ``--layers`` separate caches (so the K/V come from DRAM, as
 in a real step), against a plain sum over as many bytes as a bandwidth yardstick.
 
 Compare kernel versions in one process, alternating, best of ``--rounds``, e.g. the current source
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=250)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--query-len", type=int, default=1, help="query rows per sequence: > 1 times prompt chunks")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -60,8 +61,9 @@ def main() -> None:
         caches.append((head_major(k), head_major(v)))
     tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
     seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)
-    qsl = torch.arange(args.batch + 1, dtype=torch.int32)
-    q = torch.randn(args.batch, hq, dim).to(dtype)
+    q_lens = torch.minimum(seq_lens, torch.tensor(args.query_len, dtype=torch.int32))
+    qsl = torch.cat((torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()))
+    q = torch.randn(int(qsl[-1]), hq, dim).to(dtype)
     out = torch.empty_like(q)
     nbytes = args.layers * int(seq_lens.sum()) * hkv * dim * 2 * q.element_size()
     yardstick = torch.rand(nbytes // 4)
@@ -81,7 +83,8 @@ def main() -> None:
         for name, fn in [*((str(s), lambda op=op: all_layers(op)) for s, op in zip(sources, ops, strict=True)),
                          ("sum over as many bytes", lambda: yardstick.sum())]:
             best[name] = min(best.get(name, float("inf")), seconds(fn))
-    print(f"{args.layers} layers, batch {args.batch}, context ~{args.context}, {args.dtype}: "
+    print(f"{args.layers} layers, batch {args.batch}, context ~{args.context}, {args.query_len} query rows each, "
+          f"{args.dtype}: "
           f"{nbytes / 1e9:.2f} GB of K/V; best of {args.rounds}")
     for name, s in best.items():
         print(f"  {s * 1e3:8.1f} ms  {nbytes / s / 1e9:5.1f} GB/s  {name}")
