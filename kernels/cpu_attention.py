@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
                                                            "argmax.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / "common.h"]  # included by the sources; hashed with them
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
 # -ffp-contract=off: a multiply and an add stay two roundings, as in eager PyTorch (fused.cpp's rotary is
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
                  torch.__version__.encode(), str(SOURCES[0].resolve()).encode(),
                  str(Path(torch.__file__).resolve().parent).encode()):
         digest.update(part)
@@ -115,9 +116,11 @@ def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) 
     for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
         text = text.replace(f"{macro}(sluice,", f"{macro}({namespace},")
     flags = CFLAGS if cflags is None else cflags
-    tag = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:10]
+    header = "".join(h.read_text() for h in HEADERS)
+    tag = hashlib.sha256((text + header + " ".join(flags) + torch.__version__).encode()).hexdigest()[:10]
     copy = build_dir(f"{namespace}_{tag}") / f"{namespace}.cpp"
     if not copy.exists() or copy.read_text() != text:  # a rewrite would make ninja rebuild it every time
         copy.write_text(text)
-    load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False)
+    load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False,
+                   extra_include_paths=[str(HEADERS[0].parent)])  # the copy lives elsewhere; common.h stays here
     return getattr(torch.ops, namespace).paged_attention

@@ -14,14 +14,15 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "common.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(at::Half x) { return static_cast<float>(x); }
+using sluice_cpu::dispatch_dtype;
+using sluice_cpu::fast_exp;
+using sluice_cpu::to_float;
 
 // The value of x once stored in T (round to nearest even), back as a float.
 template <typename T>
@@ -31,28 +32,6 @@ inline float rounded(float x) {
 
 // Rows per parallel chunk: enough floats that a thread's share outweighs starting it.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
-
-// exp(x) = 2^n * e^r, |r| <= ln2/2, e^r by a degree-6 polynomial: within 2 ulp of expf, and in a form
-// the compiler vectorises (libm's expf is a scalar call). Saturates to 0 below -87 and to inf above 88.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  // 2^n in two halves: n reaches 127 at x = 88, past the largest exponent one float can carry.
-  const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
-  int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, sizeof(s1));
-  std::memcpy(&s2, &b2, sizeof(s2));
-  return p * s1 * s2;
-}
 
 template <typename T>
 void rms_norm_rows(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor* residual,
@@ -139,23 +118,6 @@ void silu_and_mul_rows(const torch::Tensor& out, const torch::Tensor& gate_up) {
   });
 }
 
-template <typename F>
-void dispatch(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case torch::kFloat:
-      f(float{});
-      break;
-    case torch::kBFloat16:
-      f(at::BFloat16{});
-      break;
-    case torch::kHalf:
-      f(at::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", dtype);
-  }
-}
-
 void check_rows(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.stride(1) == 1 && t.scalar_type() == like.scalar_type(),
               name, " must be [T, H] like x, rows contiguous, same dtype");
@@ -169,7 +131,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   check_rows(out, x, "out");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [H], contiguous, the dtype of x");
-  dispatch(x.scalar_type(), [&](auto tag) {
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
     rms_norm_rows<decltype(tag)>(out, x, nullptr, nullptr, weight, static_cast<float>(eps));
   });
 }
@@ -183,7 +145,7 @@ void add_rms_norm(torch::Tensor out, torch::Tensor residual_out, torch::Tensor x
   check_rows(residual_out, x, "residual_out");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [H], contiguous, the dtype of x");
-  dispatch(x.scalar_type(), [&](auto tag) {
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
     rms_norm_rows<decltype(tag)>(out, x, &residual, &residual_out, weight, static_cast<float>(eps));
   });
 }
@@ -203,7 +165,7 @@ void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Te
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < pos.numel(); ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " is outside the rotary tables");
-  dispatch(q.scalar_type(), [&](auto tag) { rotary_rows<decltype(tag)>(q, k, pp, cos, sin); });
+  dispatch_dtype(q.scalar_type(), [&](auto tag) { rotary_rows<decltype(tag)>(q, k, pp, cos, sin); });
 }
 
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:].
@@ -213,7 +175,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1) &&
                   out.stride(1) == 1 && out.scalar_type() == gate_up.scalar_type(),
               "out must be [T, I] with contiguous rows, the dtype of gate_up");
-  dispatch(out.scalar_type(), [&](auto tag) { silu_and_mul_rows<decltype(tag)>(out, gate_up); });
+  dispatch_dtype(out.scalar_type(), [&](auto tag) { silu_and_mul_rows<decltype(tag)>(out, gate_up); });
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {

@@ -25,39 +25,16 @@
 #include <numeric>
 #include <vector>
 
+#include "common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-// exp for the softmax, in a form the compiler vectorises (libm's expf is a scalar call): exp(x) =
-// 2^n * e^r with |r| <= ln2/2, e^r by a degree-6 polynomial; within 2 ulp of expf for x >= -87.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using sluice_cpu::fast_exp;
+using sluice_cpu::to_float;
 
 // The online softmax for one head over one piece of n <= 16 scores: s[j] becomes exp(s[j] - m) with m the
 // running max, raised first if the piece holds a larger score (then the sum and the head's accumulated
@@ -387,19 +364,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     else
       attend<0, T>(out, q, k_cache, v_cache, tables, items, units, scale, window, soft_cap);
   };
-  switch (q.scalar_type()) {
-    case torch::kFloat:
-      run(float{});
-      break;
-    case torch::kBFloat16:
-      run(at::BFloat16{});
-      break;
-    case torch::kHalf:
-      run(at::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
-  }
+  sluice_cpu::dispatch_dtype(q.scalar_type(), run);
 }
 
 // A torch op (torch.ops.sluice.paged_attention), so profilers and torch.compile see it by name.
