@@ -50,9 +50,11 @@ def categorize(events: list) -> dict[str, float]:
             totals["attention (C++ op)"] += e.cpu_time_total
         elif name == "sluice::store_kv":
             totals["KV write"] += e.cpu_time_total
+        elif name in ("sluice::add_rms_norm", "sluice::rms_norm", "sluice::rotary", "sluice::silu_and_mul"):
+            totals["norms, rotary, SiLU (C++ ops)"] += e.cpu_time_total
         elif name in CATEGORIES:
             totals[CATEGORIES[name]] += e.cpu_time_total
-        elif name in ("aten::argmax", "aten::max", "aten::softmax", "aten::topk", "aten::sort"):
+        elif name in ("aten::argmax", "aten::max", "aten::softmax", "aten::topk", "aten::sort", "sluice::argmax_rows"):
             totals["sampling"] += e.cpu_time_total
     return totals
 
