@@ -62,10 +62,11 @@ def pick_cpu_dtype(config: Any, cpu_linear: str = "auto") -> tuple[torch.dtype, 
 
 
 def _linear_impl(config: Any, dtype: torch.dtype, requested: str) -> str:
-    """What engine/linear.py would run this dtype's GEMMs with (a forced choice where it applies)."""
-    if requested != "auto" and requested in linear.candidates(dtype):
-        return requested
-    return linear.choose(linear.model_gemm_shapes(config), dtype)[0]
+    """What engine/linear.py would run this dtype's GEMMs with: a forced choice where this dtype can take
+    it (fp32-compute is for 16-bit weights only), else what it would pick."""
+    if requested not in linear.candidates(dtype):
+        requested = "auto"
+    return linear.pick_cpu_linear(requested, config, torch.device("cpu"), dtype)[0]
 
 
 def _decode_layer(config: Any, dtype: torch.dtype, impl: str) -> Callable[[], None]:

@@ -33,7 +33,6 @@ from engine.config import CPU_LINEAR
 log = logging.getLogger(__name__)
 
 CHOICES = CPU_LINEAR  # "auto", then the implementations
-IMPLS = CHOICES[1:]
 BATCH, REPEATS = 128, 5
 MARGIN = 1.03  # another path must beat aten by this much: within noise, keep transformers' own kernel
 PROBE_ELEMENTS = 1 << 24  # a bigger weight is timed on a slice of its rows, and the time scaled up
@@ -185,7 +184,7 @@ def choose(shapes: GemmShapes, dtype: torch.dtype) -> tuple[str, str]:
 
 
 def pick_cpu_linear(requested: str, config: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """The implementation for this model (``requested`` is ``auto`` or one of ``IMPLS``), and why."""
+    """The implementation for this model (``requested`` is one of ``CHOICES``), and why."""
     if requested not in CHOICES:
         raise ValueError(f"cpu_linear must be one of {', '.join(CHOICES)}, not {requested!r}")
     if device.type != "cpu":
