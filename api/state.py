@@ -13,7 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api.errors import ApiError
 from api.filestore import FileStore
 from api.settings import Settings
-from jobs.server import connect
+from jobs.connection import connect
 
 
 class AppState:

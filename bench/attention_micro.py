@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.attention import allocate_kv, head_major  # noqa: E402
-from kernels.cpu_attention import load_variant  # noqa: E402
+from kernels.cpu_ops import load_variant  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

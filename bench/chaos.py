@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from jobs import keys  # noqa: E402
+from jobs.connection import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
 from jobs.schemas import Result  # noqa: E402
-from jobs.server import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
 from jobs.store import cancel_batch, dead_letters, get_batch, pending_under  # noqa: E402
 from jobs.submit import submit  # noqa: E402
 

@@ -17,7 +17,7 @@ steady state (the steps while at least that many requests were still unfinished)
 of in-process throughput, occupancy >= 90%. Writes JSON to bench/out/.
 
 The queue path alone (--queue-jobs N): N jobs submitted, pulled and written back through the
-worker's own writer (worker/writer.py, the RECORD script) with fake instant outputs of 100-300
+worker's own writer (jobs/consumer/outbox.py, the RECORD script) with fake instant outputs of 100-300
 characters, no engine; jobs/s for submission, for the pull+write drain, and for reading every
 result back, with Redis memory per queued job and per stored result (INFO used_memory, summed over
 the nodes, and MEMORY USAGE of the batch's keys). --cluster runs submission and the queue path on a
@@ -73,7 +73,7 @@ def chat_lines(prompts: list[str], max_tokens: int) -> list[str]:
 
 # ---- submission ------------------------------------------------------------------------------------
 def bench_submit(n: int, repeats: int, redis_url: str | None) -> dict[str, Any]:
-    from jobs.server import connect, ensure_server, stop_server
+    from jobs.connection import connect, ensure_server, stop_server
     from jobs.submit import submit
 
     home = None
@@ -101,8 +101,8 @@ class Server:
     """A fresh job server for one measurement: the embedded Valkey, or a 3-primary cluster."""
 
     def __init__(self, cluster: bool) -> None:
+        from jobs.connection import connect, ensure_server
         from jobs.local_cluster import LocalCluster
-        from jobs.server import connect, ensure_server
 
         self.dir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
         self.cluster = LocalCluster(self.dir / "cluster").start() if cluster else None
@@ -115,7 +115,7 @@ class Server:
         return int(self.r.info("memory")["used_memory"])
 
     def close(self) -> None:
-        from jobs.server import stop_server
+        from jobs.connection import stop_server
 
         self.r.close()
         if self.cluster is not None:
@@ -126,7 +126,7 @@ class Server:
 
 def fake_outcome(d: Any, rng: Any) -> Any:
     """What a worker writes for a completed job, with a made-up output of 100-300 characters."""
-    from jobs.consumer import Outcome
+    from jobs.consumer.commands import Outcome
     from jobs.schemas import Result, ResultUsage
 
     text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(100, 300)))
@@ -139,7 +139,7 @@ def fake_outcome(d: Any, rng: Any) -> Any:
 
 def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flush: Any = None) -> int:
     """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer."""
-    from jobs import consumer
+    from jobs.consumer import commands as consumer
     from jobs.scripts import Scripts
 
     scripts, done = Scripts(r), 0
@@ -174,9 +174,9 @@ def key_bytes(r: Any, batch_id: str) -> dict[str, int]:
 def bench_queue_path(n: int, cluster: bool, seed: int = 0) -> dict[str, Any]:
     import random
 
+    from jobs.consumer.outbox import Writer
     from jobs.store import read_results
     from jobs.submit import submit
-    from worker.writer import Writer
 
     srv = Server(cluster)
     try:
@@ -211,10 +211,10 @@ def bench_spill(n: int, spill_at: int, cluster: bool, seed: int = 0) -> dict[str
     import random
 
     from jobs import keys
+    from jobs.consumer.outbox import CHUNK, Writer
     from jobs.spill import KEEP, Spill
     from jobs.store import read_results
     from jobs.submit import submit
-    from worker.writer import CHUNK, Writer
 
     srv = Server(cluster)
     files = srv.dir / "files"
@@ -314,7 +314,7 @@ def bench_in_process(llm: Any, prompts: list[str], max_tokens: int) -> dict[str,
 
 def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | None,
                 worker_thread: bool = False) -> dict[str, Any]:
-    from jobs.server import connect, ensure_server, stop_server
+    from jobs.connection import connect, ensure_server, stop_server
     from jobs.store import get_batch
     from jobs.submit import submit
     from worker.worker import Worker, WorkerOptions

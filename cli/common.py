@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import click
 import redis
 
+from jobs.connection import ENV_URL, EmbeddedServer, OnStart, connect, external_url, redis_url, sluice_home
 from jobs.schemas import Batch
-from jobs.server import ENV_URL, EmbeddedServer, OnStart, connect, external_url, redis_url, sluice_home
 from jobs.settings import SettingsError
 
 EXIT_USER_ERROR = 1

@@ -21,7 +21,7 @@ from cli.common import (
     open_server,
     server_name,
 )
-from jobs.server import ENV_URL, connect, data_dir, ensure_server, external_url, find_server, stop_server
+from jobs.connection import ENV_URL, connect, data_dir, ensure_server, external_url, find_server, stop_server
 from jobs.store import count_batches
 
 

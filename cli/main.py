@@ -28,11 +28,11 @@ from typing import Any
 import click
 
 from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
+from cli.job_server_cmds import server_cmd
 from cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
 from cli.output import STDIO, default_errors_path
 from cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
-from cli.serve_cmds import serve_cmd, up_cmd, worker_cmd
-from cli.server_cmds import server_cmd
+from cli.run_cmds import serve_cmd, up_cmd, worker_cmd
 from jobs.settings import SettingsError
 
 
@@ -76,7 +76,7 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
     ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
     """
     need_engine()
-    from worker.local import generate_file
+    from worker.generate_file import generate_file
 
     to_stdout = str(output_file) == STDIO
     if resume and to_stdout:

@@ -24,7 +24,7 @@ from cli.common import (
     server_name,
 )
 from cli.options import engine_kwargs, env_option, with_engine_options
-from jobs.server import EmbeddedServer, stop_server
+from jobs.connection import EmbeddedServer, stop_server
 from jobs.settings import load
 from jobs.store import served_queues
 

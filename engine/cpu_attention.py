@@ -33,7 +33,7 @@ class CpuPagedAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        from kernels.cpu_attention import paged_attention, store_kv
+        from kernels.cpu_ops import paged_attention, store_kv
 
         k_hm, v_hm = head_major(k_cache), head_major(v_cache)
         store_kv(k, v, k_hm, v_hm, meta.slot_mapping)

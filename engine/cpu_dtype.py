@@ -93,7 +93,7 @@ def _decode_layer(config: Any, dtype: torch.dtype, impl: str) -> Callable[[], No
 
 
 def _attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Callable[[], None]:
-    from kernels.cpu_attention import available, paged_attention
+    from kernels.cpu_ops import available, paged_attention
 
     if not available()[0]:
         return lambda: None

@@ -232,7 +232,7 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
         if name == "cpu":
-            from kernels.cpu_attention import available
+            from kernels.cpu_ops import available
 
             ok, why = available()
             if not ok:

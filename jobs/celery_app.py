@@ -37,9 +37,9 @@ from celery.worker import state as worker_state
 from kombu.exceptions import OperationalError
 
 from jobs import keys
+from jobs.connection import connect, is_cluster_url, redis_url
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
 from jobs.schemas import LineError, Result, SamplingParams, parse_line
-from jobs.server import connect, is_cluster_url, redis_url
 from jobs.store import await_result, cancel_batch, delete_batch
 from jobs.submit import DEFAULT_WINDOW, resolve_model, submit
 

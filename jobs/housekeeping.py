@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis
 
 from jobs import keys
-from jobs.consumer import restore_ready
+from jobs.consumer.commands import restore_ready
 from jobs.schemas import FINAL_BATCH_STATUSES
 from jobs.scripts import Scripts
 from jobs.store import delete_batch, expire_batch, priorities, retire_batch

@@ -135,13 +135,13 @@ def active_streams(queue: str) -> str:
 
 def ready_streams(queue: str) -> str:
     """Sorted set: a model's job streams that may hold undelivered jobs; lower score is pulled first.
-    A reader that finds one empty takes it out and reads it once more (jobs/consumer.py); a writer
+    A reader that finds one empty takes it out and reads it once more (jobs/consumer/commands.py); a writer
     adds it after every XADD. So an empty stream never hides one with work, however many there are."""
     return f"{PREFIX}:queue:{queue}:ready"
 
 
 def cancels(queue: str) -> str:
-    """Stream of cancel events for a model's workers (fields in jobs/consumer.py: publish_cancel)."""
+    """Stream of cancel events for a model's workers (fields in jobs/consumer/commands.py: publish_cancel)."""
     return f"{PREFIX}:queue:{queue}:cancels"
 
 

@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from jobs.server import _free_port
+from jobs.connection import _free_port
 
 SLOTS = 16384
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from jobs.server import is_cluster
+from jobs.connection import is_cluster
 
 # Replies that say the client's map of slots to nodes is stale (a resharding, a failover).
 _STALE_MAP = (redis.exceptions.MovedError, redis.exceptions.AskError)

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from jobs import keys, spill
-from jobs.consumer import publish_cancel
+from jobs.consumer.commands import publish_cancel
 from jobs.schemas import (
     CHAT_URL,
     FINAL_BATCH_STATUSES,

@@ -16,7 +16,8 @@ from typing import Any
 import redis
 
 from jobs import keys
-from jobs.consumer import mark_ready
+from jobs.connection import connect
+from jobs.consumer.commands import mark_ready
 from jobs.pipes import NodePipes
 from jobs.schemas import (
     CHAT_URL,
@@ -30,7 +31,6 @@ from jobs.schemas import (
     parse_line,
 )
 from jobs.scripts import Scripts, sweep, transition
-from jobs.server import connect
 from jobs.store import delete_batch, get_batch, retire_batch, served_queues
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")

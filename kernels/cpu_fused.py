@@ -1,13 +1,13 @@
 """The decoder layer's elementwise work as C++ CPU ops (``kernels/cpu/fused.cpp``): residual add + RMSNorm,
 rotary embedding in place, SiLU(gate) * up. The same functions, with the same arguments, as the Triton
 kernels in ``kernels/fused.py``, so the model takes either set; and greedy sampling's argmax
-(``kernels/cpu/argmax.cpp``). Built and loaded with the attention op (``kernels/cpu_attention.py``)."""
+(``kernels/cpu/argmax.cpp``). Built and loaded with the attention op (``kernels/cpu_ops.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention import load
+from kernels.cpu_ops import load
 
 
 def rms_norm(

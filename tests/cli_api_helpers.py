@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from jobs_helpers import ThreadWorker, wait_for
 
-from jobs.server import ENV_HOME, ENV_URL, ensure_server, stop_server
+from jobs.connection import ENV_HOME, ENV_URL, ensure_server, stop_server
 
 SLUICE = str(Path(sys.executable).with_name("sluice"))
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from jobs.connection import ENV_HOME, ENV_URL, connect
 from jobs.local_cluster import LocalCluster
-from jobs.server import ENV_HOME, ENV_URL, connect
 
 
 @pytest.fixture(scope="module")

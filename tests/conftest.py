@@ -42,7 +42,7 @@ def no_server_in_the_session_home() -> Iterator[None]:
     """A test that needs a job server sets its own SLUICE_HOME; one left running in the session's names
     the test that started it (a server in the user's data directory, before the session set its own)."""
     yield
-    from jobs.server import find_server, stop_server
+    from jobs.connection import find_server, stop_server
 
     if find_server(SESSION_HOME) is not None:
         stop_server(SESSION_HOME, kill=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.server import ENV_HOME, ENV_URL, connect, ensure_server, stop_server
+from jobs.connection import ENV_HOME, ENV_URL, connect, ensure_server, stop_server
 
 
 @pytest.fixture

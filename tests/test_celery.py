@@ -38,8 +38,8 @@ from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, wait_f
 from jobs import celery_app as tasks
 from jobs import keys
 from jobs.celery_app import GenerationTimeout, _redis, app, batch_id_for
+from jobs.connection import connect, redis_url
 from jobs.scripts import Scripts, sweep, transition
-from jobs.server import connect, redis_url
 from jobs.store import cancel_batch, get_batch, queue_depth, retire_batch
 from jobs.submit import submit
 

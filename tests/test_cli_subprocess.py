@@ -19,7 +19,7 @@ from helpers import fresh_seed
 from jobs_helpers import wait_for
 
 from cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USER_ERROR
-from jobs.server import find_server, stop_server
+from jobs.connection import find_server, stop_server
 
 
 @dataclass

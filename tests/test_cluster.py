@@ -164,7 +164,7 @@ def test_primary_restarted_mid_batch_loses_nothing_acknowledged(cr: redis.Redis,
 
 
 def test_the_cluster_switch_and_the_spill_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from jobs.server import is_cluster_url
+    from jobs.connection import is_cluster_url
     from jobs.settings import JobPlaneSettings, SettingsError, job_plane, load
 
     monkeypatch.setenv("SLUICE_REDIS_URL", "redis+cluster://:pw@10.0.0.5:6379")

@@ -17,10 +17,10 @@ from helpers import fresh_seed
 from jobs_helpers import assert_exactly_once, prompt_lines, result_entries
 
 from jobs import keys
+from jobs.connection import connect, ensure_server, find_server, redis_url, stop_server
 from jobs.housekeeping import housekeep
 from jobs.schemas import SamplingParams
 from jobs.scripts import Scripts
-from jobs.server import connect, ensure_server, find_server, redis_url, stop_server
 from jobs.store import (
     cancel_batch,
     cancel_job,
@@ -43,7 +43,7 @@ def test_embedded_server_is_found_again_and_homes_never_share(sluice_home: Path,
     a = ensure_server(sluice_home)
     assert find_server(sluice_home) == a and ensure_server(sluice_home) == a
     # Another process finds the same server through the home directory alone.
-    code = "from jobs.server import connect; print(connect().client_info()['laddr'].split(':')[-1])"
+    code = "from jobs.connection import connect; print(connect().client_info()['laddr'].split(':')[-1])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "SLUICE_HOME": str(sluice_home)}, cwd=Path(__file__).parents[1])
     assert int(out.stdout) == a.port
@@ -60,7 +60,7 @@ def test_embedded_server_is_found_again_and_homes_never_share(sluice_home: Path,
 
 
 def test_concurrent_starts_make_one_server(sluice_home: Path) -> None:
-    code = "from jobs.server import ensure_server; print(ensure_server().port)"
+    code = "from jobs.connection import ensure_server; print(ensure_server().port)"
     env = {**os.environ, "SLUICE_HOME": str(sluice_home)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
                               cwd=Path(__file__).parents[1]) for _ in range(3)]

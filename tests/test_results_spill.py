@@ -1,5 +1,5 @@
 """Results spilled out of Redis to files (jobs/spill.py) as they land, through the real writer path
-(worker/writer.py, the RECORD script) with fake fast outputs: `sluice results --follow`, the API's
+(jobs/consumer/outbox.py, the RECORD script) with fake fast outputs: `sluice results --follow`, the API's
 results pages and ``read_results`` return every line exactly once across the files/stream boundary,
 and Redis memory stays bounded. The 200,000-job run is ``bench/queue_throughput.py --spill-jobs``."""
 
@@ -20,12 +20,12 @@ from jobs_helpers import ROOT
 from api.app import create_app
 from api.settings import Settings
 from jobs import keys, spill
+from jobs.consumer.outbox import CHUNK, Writer
 from jobs.local_cluster import LocalCluster
 from jobs.scripts import Scripts
 from jobs.spill import Spill
 from jobs.store import delete_batch, get_batch, get_result, read_results
 from jobs.submit import submit
-from worker.writer import CHUNK, Writer
 
 pytest_plugins = ["jobs_fixtures", "cluster_fixtures"]
 
@@ -34,7 +34,7 @@ def lines(n: int) -> list[str]:
     return [json.dumps({"custom_id": f"job-{i}", "prompt": "x", "max_tokens": 1}) for i in range(n)]
 
 
-# The fake worker (pull, 'generate' at once, write through worker/writer.py) is the benchmark's.
+# The fake worker (pull, 'generate' at once, write through jobs/consumer/outbox.py) is the benchmark's.
 _spec = importlib.util.spec_from_file_location("bench_queue_throughput", ROOT / "bench" / "queue_throughput.py")
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)

@@ -196,8 +196,8 @@ def test_a_refused_worker_fails_the_jobs_waiting_for_its_model(tmp_path: Path) -
     from jobs_helpers import assert_exactly_once
     from transformers import T5Config
 
-    from jobs import consumer
-    from jobs.server import connect
+    from jobs.connection import connect
+    from jobs.consumer import commands as consumer
     from jobs.store import get_batch, queue_depth
 
     model = tmp_path / "t5"
@@ -224,8 +224,8 @@ def test_a_refused_worker_leaves_the_jobs_of_a_queue_a_live_worker_serves(tmp_pa
     from cli_api_helpers import sluice_home
     from transformers import BartConfig
 
-    from jobs import consumer
-    from jobs.server import connect
+    from jobs.connection import connect
+    from jobs.consumer import commands as consumer
     from jobs.store import get_batch, queue_depth
 
     model = tmp_path / "bart"

@@ -28,7 +28,7 @@ from jobs_helpers import (
 
 from engine.llm import LLM
 from jobs import keys
-from jobs.server import ensure_server, stop_server
+from jobs.connection import ensure_server, stop_server
 from jobs.store import cancel_batch, dead_letters, get_batch, output_lines, queue_depth
 from jobs.submit import submit
 

@@ -40,14 +40,6 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
                    params=params, tools=job.tools)
 
 
-def bare_result(job: Job, status: str, code: str, message: str, worker: str | None = None,
-                model: str | None = None) -> Result:
-    """The outcome of a job that did not run to its end (cancelled, expired, failed)."""
-    return Result(job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
-                  model=job.model or model, status=status, error=ErrorInfo(code=code, message=message),
-                  worker=worker, timings=ResultTimings(submitted=job.created_at or None, finished=time.time()))
-
-
 def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: float | None = None,
                          worker: str | None = None, model: str | None = None) -> Result:
     """A finished engine request as the job's Result (``tokenizer`` spells out logprob tokens)."""

@@ -1,4 +1,4 @@
-"""How many jobs to take now. The taking itself (XREADGROUP, XCLAIM) is jobs/consumer.py's.
+"""How many jobs to take now. The taking itself (XREADGROUP, XCLAIM) is jobs/consumer/commands.py's.
 
 A worker holds at most ``max_num_seqs + lookahead`` jobs and asks for more only while its free KV
 blocks can start them, plus a small look-ahead so the engine has a job to admit the moment blocks
@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from jobs import consumer
+from jobs.consumer import commands as consumer
 
 STREAMS_REFRESH = 1.0  # seconds a model's list of ready streams is reused
 

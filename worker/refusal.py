@@ -3,7 +3,7 @@ jobs waiting on its queue with the reason, rather than leaving them to wait for 
 
 Only when no live worker serves the queue: one that does may run those jobs (a shared ``--queue``).
 Jobs added after the queue was read wait as before. Each outcome goes through the same atomic record
-as any other (jobs/consumer.py), so a job gets exactly one even if a cancel or another worker races it.
+as any other (jobs/consumer/commands.py), so a job gets exactly one even if a cancel or another worker races it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import time
 
 import redis
 
-from jobs import consumer
+from jobs.consumer import commands as consumer
+from jobs.consumer import outcomes
+from jobs.consumer.link import Link
+from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
 from jobs.store import served_queues
-from worker import outcomes
-from worker.link import Link
 from worker.options import WorkerOptions
-from worker.writer import REDIS_DOWN, WriteHeld, Writer
 
 log = logging.getLogger(__name__)
 

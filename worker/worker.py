@@ -3,8 +3,8 @@
 One process per accelerator. Besides the loop: claiming the pending jobs of workers whose heartbeat
 is gone (and its own, after a restart), dead-lettering jobs delivered too often, aborting cancelled
 jobs before the next step, a graceful drain on SIGTERM, and generating on while Redis is away (results
-are held and written on reconnect). The Redis protocol is jobs/consumer.py's; the heartbeat
-(worker/heartbeat.py) and failure isolation (worker/isolation.py) are units of their own.
+are held and written on reconnect). The Redis protocol is jobs/consumer/commands.py's; the heartbeat
+(jobs/consumer/heartbeat.py) and failure isolation (worker/isolation.py) are units of their own.
 """
 
 from __future__ import annotations
@@ -23,22 +23,23 @@ from typing import Any, TypeVar
 
 import redis
 
-from jobs import consumer, keys
-from jobs.consumer import CancelEvent, Delivery, Outcome, Pulled
+from jobs import keys
+from jobs.consumer import commands as consumer
+from jobs.consumer import outcomes
+from jobs.consumer.cancel_feed import CancelFeed
+from jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
+from jobs.consumer.heartbeat import Heartbeat
+from jobs.consumer.identity import take_identity
+from jobs.consumer.link import Link
+from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
 from jobs.store import queue_depth
-from worker import outcomes
-from worker.cancel_feed import CancelFeed
 from worker.convert import completion_to_result, job_to_request
-from worker.heartbeat import Heartbeat
-from worker.identity import take_identity
 from worker.isolation import EngineSick, Isolation
-from worker.link import Link
 from worker.metrics import WorkerMetrics
 from worker.options import WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
 from worker.refusal import fail_waiting_jobs
-from worker.writer import REDIS_DOWN, WriteHeld, Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -10,10 +10,10 @@ from collections import deque
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from jobs import consumer
-from jobs.consumer import CancelEvent
-from jobs.server import connect
-from worker.link import Link
+from jobs.connection import connect
+from jobs.consumer import commands as consumer
+from jobs.consumer.commands import CancelEvent
+from jobs.consumer.link import Link
 
 BLOCK_MS = 250  # one blocking read; also how long it takes to notice a stop
 

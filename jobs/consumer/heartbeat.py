@@ -9,8 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from jobs import consumer
-from worker.link import Link
+from jobs.consumer import commands as consumer
+from jobs.consumer.link import Link
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import redis
 
-from jobs import consumer
+from jobs.consumer import commands as consumer
 
 
 def take_identity(r: redis.Redis, base: str, explicit: bool, payload: Callable[[str], str], ttl: float) -> str:

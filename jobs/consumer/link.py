@@ -10,8 +10,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from jobs.connection import connect, ensure_server, external_url, find_server
 from jobs.scripts import Scripts
-from jobs.server import connect, ensure_server, external_url, find_server
 
 log = logging.getLogger(__name__)
 

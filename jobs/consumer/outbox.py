@@ -17,7 +17,7 @@ from itertools import islice
 
 import redis
 
-from jobs.consumer import Outcome, batch_exists, record
+from jobs.consumer.commands import Outcome, batch_exists, record
 from jobs.pipes import NodePipes
 from jobs.scripts import Scripts
 from jobs.spill import Spill

@@ -9,12 +9,19 @@ import time
 
 import redis
 
-from jobs import consumer
-from jobs.consumer import Delivery, Outcome, Pulled, Unreadable
-from jobs.schemas import ErrorInfo, Result, ResultTimings
-from worker.convert import bare_result
+from jobs.consumer import commands as consumer
+from jobs.consumer.commands import Delivery, Outcome, Pulled, Unreadable
+from jobs.schemas import ErrorInfo, Job, Result, ResultTimings
 
 log = logging.getLogger(__name__)
+
+
+def bare_result(job: Job, status: str, code: str, message: str, worker: str | None = None,
+                model: str | None = None) -> Result:
+    """The outcome of a job that did not run to its end (cancelled, expired, failed)."""
+    return Result(job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
+                  model=job.model or model, status=status, error=ErrorInfo(code=code, message=message),
+                  worker=worker, timings=ResultTimings(submitted=job.created_at or None, finished=time.time()))
 
 
 def settled(d: Delivery, status: str, code: str, message: str, worker: str, model: str) -> Outcome:
