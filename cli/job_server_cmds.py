@@ -21,7 +21,16 @@ from cli.common import (
     open_server,
     server_name,
 )
-from jobs.connection import ENV_URL, connect, data_dir, ensure_server, external_url, find_server, stop_server
+from jobs.connection import (
+    ENV_URL,
+    EmbeddedServer,
+    connect,
+    data_dir,
+    ensure_server,
+    external_url,
+    find_server,
+    stop_server,
+)
 from jobs.store import count_batches
 
 
@@ -85,8 +94,13 @@ def server_start() -> None:
     """Start the embedded job server of SLUICE_HOME (nothing to do if it runs)."""
     _embedded_only("start")
     started: list[bool] = []
+
+    def on_start(s: EmbeddedServer) -> None:
+        started.append(True)
+        announce_start(s)
+
     try:
-        server = ensure_server(on_start=lambda s: (started.append(True), announce_start(s)))
+        server = ensure_server(on_start=on_start)
     except RuntimeError as e:
         raise UserError(f"cannot start {server_name()}: {e}") from None
     if not started:

@@ -80,7 +80,7 @@ class ResultFiles:
 
     def _open(self, path: Path) -> IO[str]:
         if str(path) == STDIO:
-            return click.get_text_stream("stdout")
+            return click.get_text_stream("stdout")  # type: ignore[operator]  # click 8.5 types it object
         path.parent.mkdir(parents=True, exist_ok=True)
         f = path.open("a", encoding="utf-8")
         self._owned.append(f)

@@ -60,7 +60,7 @@ def readable_input(path: Path) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="sluice-stdin-") as d:
         copy = Path(d) / "stdin.jsonl"
         with copy.open("wb") as f:
-            shutil.copyfileobj(click.get_binary_stream("stdin"), f)
+            shutil.copyfileobj(click.get_binary_stream("stdin"), f)  # type: ignore[operator]  # click 8.5: object
         yield copy
 
 

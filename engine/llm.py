@@ -7,16 +7,17 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GuidedDecoding, advance_guide
+from engine.guided import GuidedDecoding
 from engine.linear import use_cpu_linear
 from engine.loader import (
+    ModelSource,
     check_decoder_only,
     dense_path,
     load_config,
@@ -47,10 +48,11 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
-        check_decoder_only(load_config(model))  # before anything reads the config as a decoder's
-        self.dtype = _pick_dtype(self.config.dtype, self.device, model, self.config.cpu_linear)
-        hf = load_hf_model(model, self.dtype)
-        self.tokenizer = load_tokenizer(model)
+        src = resolve_model(model)  # once: every load below reads this source
+        check_decoder_only(load_config(src))  # before anything reads the config as a decoder's
+        self.dtype = _pick_dtype(self.config.dtype, self.device, src, self.config.cpu_linear)
+        hf = load_hf_model(src, self.dtype)
+        self.tokenizer = load_tokenizer(src)
         self.hf_config = hf.config
         self.model_impl = pick_model_impl(hf.config, self.config.model_impl)
         log.info("model %s: %s implementation", hf.config.model_type, self.model_impl)
@@ -58,7 +60,8 @@ class LLM:
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
-        self.cpu_linear = use_cpu_linear(net, self.config.cpu_linear, hf.config, self.device, self.dtype)
+        self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
+                                         self.dtype)
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype)
         num_blocks = self._num_blocks(max_len)
@@ -69,13 +72,12 @@ class LLM:
                  num_blocks * self.config.block_size, self.dtype, self.device,
                  num_blocks * self.runner.bytes_per_block() / 1e9, time.perf_counter() - started)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, model)
+        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.requests: dict[str, _RequestState] = {}
         self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
-        self._stop_ids: dict[int, set[int]] = {}  # per sequence: ids that min_tokens holds back
         self.num_steps = 0
         self.max_running_seen = 0
 
@@ -89,17 +91,16 @@ class LLM:
         return self.block_manager.num_blocks
 
     @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    def blocks_needed(self, request: Request) -> int:
-        """Blocks the request takes at its longest (prompt + max_tokens, for each of its n samples)."""
-        n_prompt = len(request.prompt_token_ids) if request.prompt_token_ids is not None else self._estimate_prompt(request)
-        return request.params.n * self.block_manager.blocks_for(n_prompt + request.params.max_tokens)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -137,7 +138,7 @@ class LLM:
             return None
         for seq in state.seqs:
             if not seq.is_finished:
-                self._finish(seq, "abort")
+                self.scheduler.finish(seq, "abort")
         return self._completion(state)
 
     def has_unfinished(self) -> bool:
@@ -151,17 +152,16 @@ class LLM:
             return done
         self.num_steps += 1
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
-        sampled = self.runner.run(batch, self._stop_ids, self.block_manager.num_touched)
+        sampled = self.runner.run(batch, self.scheduler.stop_ids, self.block_manager.num_touched)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-        finished_requests: list[str] = []
-        now = time.time()
-        for seq, token, logprob in sampled:
-            self._append_token(seq, token, logprob, now)
-            if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id].seqs):
-                finished_requests.append(seq.request_id)
-        for rid in finished_requests:
-            done.append(self._completion(self.requests.pop(rid)))
+        self.scheduler.postprocess(sampled, time.time())
+        # A request is done when its last sequence is: in the order of each request's last sampled one.
+        last = {seq.request_id: i for i, (seq, _, _) in enumerate(sampled)}
+        for i, (seq, _, _) in enumerate(sampled):
+            rid = seq.request_id
+            if last[rid] == i and all(s.is_finished for s in self.requests[rid].seqs):
+                done.append(self._completion(self.requests.pop(rid)))
         return done
 
     def generate(self, requests: Iterable[Request], progress: bool = False,
@@ -213,12 +213,6 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _estimate_prompt(self, request: Request) -> int:
-        try:
-            return len(self._prompt_ids(request))
-        except ValueError:
-            return 1
-
     def _check_fits(self, request: Request, prompt_ids: list[int]) -> None:
         need = len(prompt_ids) + request.params.max_tokens
         blocks = self.block_manager.blocks_for(need)
@@ -238,35 +232,7 @@ class LLM:
             seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
-        if p.min_tokens:
-            self._stop_ids[seq.seq_id] = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         return seq
-
-    def _append_token(self, seq: Sequence, token: int, logprob: Any, now: float) -> None:
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprob)
-        p = seq.params
-        reason = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.detok is not None and seq.detok.stop and seq.detok.update(seq.token_ids):
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        else:
-            reason = advance_guide(seq, token)  # "stop" once a structured output is complete
-        if reason is not None:
-            self._finish(seq, reason)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        seq.finish_time = time.time()
-        self._stop_ids.pop(seq.seq_id, None)
-        if seq.detok is not None:
-            seq.detok.finish(seq.token_ids)
 
     def _completion(self, state: _RequestState) -> Completion:
         outs = [CompletionOutput(s.index, s.detok.text if s.detok else "", s.output_token_ids, s.finish_reason or "abort",
@@ -301,7 +267,7 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device, model: str | None, cpu_linear: str) -> torch.dtype:
+def _pick_dtype(name: str, device: torch.device, src: ModelSource, cpu_linear: str) -> torch.dtype:
     if name != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -313,7 +279,7 @@ def _pick_dtype(name: str, device: torch.device, model: str | None, cpu_linear: 
 
     from engine.cpu_dtype import pick_cpu_dtype
 
-    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(resolve_model(model))), cpu_linear)
+    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(src)), cpu_linear)
     log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)
     return dtype
 
@@ -325,9 +291,9 @@ def _model_max_len(config: Any, impl: str) -> int:
     return min(n, window) if window and impl == "native" else n
 
 
-def _eos_ids(config: Any, tokenizer: Any, model: str | None) -> set[int]:
+def _eos_ids(config: Any, tokenizer: Any, src: ModelSource) -> set[int]:
     ids: set[int] = set()
-    for v in (config.eos_token_id, tokenizer.eos_token_id, _generation_eos(model)):
+    for v in (config.eos_token_id, tokenizer.eos_token_id, _generation_eos(src)):
         if isinstance(v, int):
             ids.add(v)
         elif v:
@@ -335,11 +301,11 @@ def _eos_ids(config: Any, tokenizer: Any, model: str | None) -> set[int]:
     return ids
 
 
-def _generation_eos(model: str | None) -> Any:
+def _generation_eos(src: ModelSource) -> Any:
     from transformers import GenerationConfig
 
     try:
-        return GenerationConfig.from_pretrained(dense_path(resolve_model(model))).eos_token_id
+        return GenerationConfig.from_pretrained(dense_path(src)).eos_token_id
     except (OSError, ValueError):
         return None
 

@@ -73,7 +73,7 @@ def dense_path(src: ModelSource) -> str:
     tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
     # The weights are dense now; drop the GGUF marker so save_pretrained writes plain safetensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors and modules
     del model.config.quantization_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
@@ -82,25 +82,30 @@ def dense_path(src: ModelSource) -> str:
     return str(out)
 
 
-def load_tokenizer(model: str | None) -> Any:
+def _source(model: str | ModelSource | None) -> ModelSource:
+    """A source resolved already passes through: the engine resolves its model once."""
+    return model if isinstance(model, ModelSource) else resolve_model(model)
+
+
+def load_tokenizer(model: str | ModelSource | None) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(dense_path(resolve_model(model)))
+    return AutoTokenizer.from_pretrained(dense_path(_source(model)))
 
 
-def load_hf_model(model: str | None, dtype: torch.dtype) -> Any:
+def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype) -> Any:
     """transformers' own model on the same weights: our weight source and our test reference."""
     from transformers import AutoModelForCausalLM
 
-    path = dense_path(resolve_model(model))
-    check_decoder_only(load_config(model))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    src = _source(model)
+    check_decoder_only(load_config(src))
+    return AutoModelForCausalLM.from_pretrained(dense_path(src), dtype=dtype)
 
 
-def load_config(model: str | None) -> Any:
+def load_config(model: str | ModelSource | None) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(dense_path(resolve_model(model)))
+    return AutoConfig.from_pretrained(dense_path(_source(model)))
 
 
 def check_decoder_only(config: Any) -> None:

@@ -4,15 +4,22 @@ Each step spends a token budget: running sequences first (a decode costs one tok
 prompt a chunk of it), then waiting sequences in arrival order while blocks, ``max_num_seqs`` and the
 budget allow. When a running sequence needs a block and none is free, the newest running sequence
 gives its blocks back and waits again at the head of the queue.
+
+After the step, ``postprocess`` appends each sampled token and finishes the sequences that hit a stop
+(``check_stop``: EOS or a stop token, a stop string, the length limits, a complete structured output).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.guided import advance_guide
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -30,18 +37,22 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_ids: set[int] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.eos_ids = eos_ids or set()
+        self.max_model_len = max_model_len or sys.maxsize
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stop_ids: dict[int, set[int]] = {}  # per sequence: ids that min_tokens holds back (the sampler's)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        p = seq.params
+        if p.min_tokens:
+            self.stop_ids[seq.seq_id] = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -52,6 +63,29 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         return batch
 
+    def postprocess(self, sampled: list[tuple[Sequence, int, Any]], now: float) -> None:
+        """Append each sequence's sampled token (and logprob); finish those that hit a stop."""
+        for seq, token, logprob in sampled:
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
+            reason = self.check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def check_stop(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` stops after ``token`` ("stop" | "length"), or None."""
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.detok is not None and seq.detok.stop and seq.detok.update(seq.token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return advance_guide(seq, token)  # "stop" once a structured output is complete
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take ``seq`` out of the batch and free its blocks now, so a waiting one can start next step."""
         if seq.status is SequenceStatus.RUNNING:
@@ -61,6 +95,10 @@ class Scheduler:
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finish_time = time.time()
+        self.stop_ids.pop(seq.seq_id, None)
+        if seq.detok is not None:
+            seq.detok.finish(seq.token_ids)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         """Schedule running sequences oldest first; returns whether anything was preempted."""

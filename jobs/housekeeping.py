@@ -13,7 +13,7 @@ import redis
 from jobs import keys
 from jobs.consumer.commands import restore_ready
 from jobs.schemas import FINAL_BATCH_STATUSES
-from jobs.scripts import Scripts
+from jobs.scripts import Scripts, expire_due
 from jobs.store import delete_batch, expire_batch, priorities, retire_batch
 from jobs.submit import seal
 
@@ -83,12 +83,11 @@ def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: Housekeep
 
 def expire_due_jobs(r: redis.Redis, s: Scripts, bid: str, now: float) -> int:
     """Jobs of ``bid`` whose deadline passed before they started get "expired"."""
-    ks = [keys.meta(bid), keys.done(bid), keys.results(bid), keys.job_custom_ids(bid), keys.deadlines(bid)]
     total = 0
     while True:
-        written, fin, due = s.expire_due(keys=ks, args=[now, bid, DEADLINE_CHUNK])
-        total += int(written)
+        written, fin, due = expire_due(s, bid, now, DEADLINE_CHUNK)
+        total += written
         if fin:
             retire_batch(r, bid, now)
-        if int(due) < DEADLINE_CHUNK:
+        if due < DEADLINE_CHUNK:
             return total

@@ -115,7 +115,7 @@ class LocalCluster:
     # ---- where keys live ---------------------------------------------------------------------------
     def node_of(self, key: str) -> int:
         """The index of the node whose slots hold ``key``."""
-        slot = int(self._call(self.nodes[0], "CLUSTER", "KEYSLOT", key))
+        slot = int(str(self._call(self.nodes[0], "CLUSTER", "KEYSLOT", key)))
         return next(n.index for n in self.nodes if n.first_slot <= slot <= n.last_slot)
 
     def used_memory(self) -> int:

@@ -1,4 +1,5 @@
-"""The job plane's atomic writes, as Lua scripts. Each touches only keys of one batch (one hash tag).
+"""The job plane's atomic writes, as Lua scripts, each followed by the one typed function that spells
+its KEYS and ARGV. Each touches only keys of one batch (one hash tag).
 
 The invariant they keep: a job gets exactly one outcome. ``done`` (job idx -> results entry) is
 checked first in every write, so a redelivered job, a cancel racing a completion, or a retried
@@ -10,8 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 
 from jobs import keys
+
+
+class Scripts:
+    """Runs the scripts below on one client (redis-py loads one again after a server restart or flush)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._loaded: dict[str, Script] = {}
+
+    def run(self, lua: str, ks: list[str], args: list[Any], client: Any = None) -> Any:
+        script = self._loaded.get(lua)
+        if script is None:  # register_script only hashes the text: no round trip
+            script = self._loaded[lua] = self.r.register_script(lua)
+        return script(keys=ks, args=args, client=client)
+
 
 # Moves a batch to its final state once every job has an outcome; shared by the scripts below.
 _FINISH = """
@@ -68,6 +85,15 @@ end
 return {fresh, fin}
 """
 
+
+def record(s: Scripts, batch_id: str, idx: int, status: str, result_json: str, stream: str, entry_id: str,
+           dead_json: str, now: float, client: Any = None) -> Any:
+    """The atomic write of one outcome (``stream``/``entry_id`` "" for no entry to acknowledge); its
+    reply, on ``client`` (a pipeline) or at once, is ``[fresh, final status or '']``."""
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), stream or keys.meta(batch_id),
+          keys.dead(batch_id)]
+    return s.run(RECORD, ks, [idx, status, result_json, entry_id, dead_json, now, keys.GROUP], client)
+
 # An outcome built here, for a job without one (cancel, expiry): no worker holds its Result.
 _OUTCOME = """
 local function bare_outcome(meta, done, results, jcids, idx, status, code, msg, now, bid)
@@ -95,6 +121,14 @@ end
 return {written, finish_if_done(KEYS[1], ARGV[4])}
 """
 
+
+def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,
+          client: Any = None) -> tuple[int, str]:
+    """Outcome ``status`` for each job of ``idxs`` that has none; (written, final status or '')."""
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id)]
+    written, fin = s.run(SWEEP, ks, [status, code, message, now, batch_id, *idxs], client)
+    return int(written), fin or ""
+
 # Expires jobs whose deadline passed before any worker started them. A worker starting a job takes
 # it out of ``deadlines`` first (ZREM), so a job is either started or expired, never both.
 # KEYS: meta, done, results, job idx -> custom_id hash, deadlines
@@ -109,6 +143,14 @@ for _, idx in ipairs(due) do
 end
 return {written, finish_if_done(KEYS[1], ARGV[1]), #due}
 """
+
+
+def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, str, int]:
+    """Expire up to ``limit`` jobs of the batch whose deadline passed; (expired, final status or '', due)."""
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id),
+          keys.deadlines(batch_id)]
+    written, fin, due = s.run(EXPIRE_DUE, ks, [now, batch_id, limit])
+    return int(written), fin or "", int(due)
 
 # Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
 # A worker whose heartbeat lapsed may have lost its jobs to another; it must not touch them then.
@@ -129,6 +171,11 @@ redis.call('XDEL', KEYS[1], ARGV[1])
 return 1
 """
 
+
+def requeue(s: Scripts, stream: str, entry_id: str, job_json: str, attempts: int, consumer: str,
+            client: Any = None) -> Any:
+    return s.run(REQUEUE, [stream], [entry_id, keys.GROUP, job_json, attempts, consumer], client)
+
 # Counts one more delivery of a job its worker still holds (XCLAIM to itself bumps the counter).
 # KEYS: stream; ARGV: entry id, group, consumer -> 1 if counted, 0 if another worker has it
 BUMP = _OWNED + """
@@ -137,8 +184,16 @@ redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, ARGV[1])
 return 1
 """
 
+
+def bump(s: Scripts, stream: str, entry_id: str, consumer: str) -> bool:
+    return bool(s.run(BUMP, [stream], [entry_id, keys.GROUP, consumer]))
+
 # KEYS: meta; ARGV: now -> final batch status reached or ''
 FINISH = _FINISH + "return finish_if_done(KEYS[1], ARGV[1])"
+
+
+def finish(s: Scripts, batch_id: str, now: float) -> str:
+    return s.run(FINISH, [keys.meta(batch_id)], [now]) or ""
 
 # Moves a batch from one of the listed states to a new one, stamping a time field.
 # KEYS: meta; ARGV: new status, time field, now, allowed old status... -> the old status
@@ -155,6 +210,12 @@ return old
 """
 
 
+def transition(s: Scripts, batch_id: str, new: str, time_field: str, now: float, allowed: tuple[str, ...],
+               client: Any = None) -> str | None:
+    """Set status ``new`` if the batch is in one of ``allowed``; returns the old status (None: no batch)."""
+    return s.run(TRANSITION, [keys.meta(batch_id)], [new, time_field, now, *allowed], client)
+
+
 # Appends a chunk of jobs to one job stream with their custom_id <-> idx maps, atomically, so the
 # maps and the stream never disagree. KEYS: stream, custom_id -> idx hash, idx -> custom_id hash
 # ARGV: (job JSON, custom_id, idx) per job
@@ -168,6 +229,11 @@ return #ARGV / 3
 """
 
 
+def enqueue(s: Scripts, batch_id: str, stream: str, jobs: list[str | int], client: Any = None) -> Any:
+    """``jobs``: (job JSON, custom_id, idx) per job, flat."""
+    return s.run(ENQUEUE, [stream, keys.custom_ids(batch_id), keys.job_custom_ids(batch_id)], jobs, client)
+
+
 # A chunk of results is in a file now (jobs/spill.py): note its last id and drop it from the stream.
 # Only if no other process noted chunk ARGV[1] meanwhile, so two spillers never both advance.
 # KEYS: meta, results, spill chunks list; ARGV: chunk number, its last id, the id after it -> 1 if noted
@@ -179,6 +245,11 @@ redis.call('XTRIM', KEYS[2], 'MINID', ARGV[3])
 return 1
 """
 
+
+def note_spilled(s: Scripts, batch_id: str, chunk: int, last_id: str, next_id: str) -> bool:
+    ks = [keys.meta(batch_id), keys.results(batch_id), keys.spill_chunks(batch_id)]
+    return bool(s.run(SPILLED, ks, [chunk, last_id, next_id]))
+
 # Where a reader stands, atomically against SPILLED: the last spilled id and the results after the
 # cursor still in the stream (meaningful only when the cursor is at or after the spilled id).
 # KEYS: meta, results; ARGV: XRANGE start ('-' or '(id'), count -> {spilled id or '', entries}
@@ -188,30 +259,6 @@ return {spilled, redis.call('XRANGE', KEYS[2], ARGV[1], '+', 'COUNT', ARGV[2])}
 """
 
 
-class Scripts:
-    """The scripts registered on one client (redis-py reloads them after a server restart)."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.enqueue = r.register_script(ENQUEUE)
-        self.record = r.register_script(RECORD)
-        self.sweep = r.register_script(SWEEP)
-        self.expire_due = r.register_script(EXPIRE_DUE)
-        self.requeue = r.register_script(REQUEUE)
-        self.bump = r.register_script(BUMP)
-        self.finish = r.register_script(FINISH)
-        self.transition = r.register_script(TRANSITION)
-        self.spilled = r.register_script(SPILLED)
-
-
-def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,
-          client: Any = None) -> tuple[int, str]:
-    """Outcome ``status`` for each job of ``idxs`` that has none; (written, final status or '')."""
-    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id)]
-    written, fin = s.sweep(keys=ks, args=[status, code, message, now, batch_id, *idxs], client=client)
-    return int(written), fin or ""
-
-
-def transition(s: Scripts, batch_id: str, new: str, time_field: str, now: float, allowed: tuple[str, ...],
-               client: Any = None) -> str | None:
-    """Set status ``new`` if the batch is in one of ``allowed``; returns the old status (None: no batch)."""
-    return s.transition(keys=[keys.meta(batch_id)], args=[new, time_field, now, *allowed], client=client)
+def results_after(s: Scripts, batch_id: str, start: str, count: int) -> tuple[str, list[Any]]:
+    spilled_id, entries = s.run(READ_RESULTS, [keys.meta(batch_id), keys.results(batch_id)], [start, count])
+    return spilled_id or "", entries

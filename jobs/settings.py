@@ -72,7 +72,7 @@ class JobPlaneSettings(BaseSettings):
 def load(cls: type[S], **overrides: object) -> S:
     """``cls`` from the environment (``overrides`` win), a bad value raised as one SettingsError line."""
     try:
-        return cls(**overrides)
+        return cls(**overrides)  # type: ignore[arg-type]  # overrides are field values, checked by pydantic
     except ValidationError as e:
         err = e.errors()[0]
         name = ENV_PREFIX + str(err["loc"][0]).upper() if err["loc"] else cls.__name__

@@ -24,7 +24,7 @@ from pathlib import Path
 import redis
 
 from jobs import keys
-from jobs.scripts import Scripts
+from jobs.scripts import Scripts, note_spilled
 from jobs.settings import job_plane
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def _spill_chunk(r: redis.Redis, scripts: Scripts, root: Path, bid: str, keep: i
     last = entries[-1][0]
     path = chunk_path(root, bid, n, last)
     _write(path, entries, token)
-    if scripts.spilled(keys=[meta, results, chunks], args=[n, last, _next_id(last)]):
+    if note_spilled(scripts, bid, n, last, _next_id(last)):
         return len(entries)
     if r.lindex(chunks, n) != last:  # another process noted a different chunk n: ours is no one's
         path.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from jobs.schemas import (
     ResultUsage,
     result_to_output_line,
 )
-from jobs.scripts import READ_RESULTS, Scripts, sweep, transition
+from jobs.scripts import Scripts, results_after, sweep, transition
 
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
           "cancelling_at", "cancelled_at")
@@ -172,10 +172,10 @@ def read_results(r: redis.Redis, batch_id: str, cursor: str = "0", limit: int = 
     spilled to (jobs/spill.py) up to the spilled cursor, then from the results stream."""
     got: list[tuple[str, str]] = []
     cursor = cursor or "0"
+    scripts = Scripts(r)
     while len(got) < limit:
         start = "-" if cursor == "0" else f"({cursor}"
-        spilled, entries = r.register_script(READ_RESULTS)(keys=[keys.meta(batch_id), keys.results(batch_id)],
-                                                           args=[start, limit - len(got)])
+        spilled, entries = results_after(scripts, batch_id, start, limit - len(got))
         if spilled and spill.id_key(cursor) < spill.id_key(spilled):
             more = spill.read(r, spill.files_dir(), batch_id, cursor, limit - len(got))
         else:

@@ -30,7 +30,7 @@ from jobs.schemas import (
     SamplingParams,
     parse_line,
 )
-from jobs.scripts import Scripts, sweep, transition
+from jobs.scripts import Scripts, enqueue, finish, sweep, transition
 from jobs.store import delete_batch, get_batch, retire_batch, served_queues
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
@@ -206,14 +206,13 @@ class _Submission:
         self.pipe = NodePipes(self.r)
         sent = list(self.chunks)
         for prio, args in self.chunks.items():
-            self.scripts.enqueue(keys=[self.streams[prio], keys.custom_ids(bid), keys.job_custom_ids(bid)],
-                                 args=args, client=p.on(self.streams[prio]))
+            enqueue(self.scripts, bid, self.streams[prio], args, p.on(self.streams[prio]))
         if self.deadlines:
             p.on(keys.deadlines(bid)).zadd(keys.deadlines(bid), self.deadlines)
         if self.errors:
             p.on(keys.line_errors(bid)).rpush(keys.line_errors(bid), *self.errors)
         self.flushed_at = time.time()
-        meta = {"total": self.total, "invalid": self.invalid, "touched_at": self.flushed_at}
+        meta: dict[str, float | str] = {"total": self.total, "invalid": self.invalid, "touched_at": self.flushed_at}
         if self.new_streams:
             meta["priorities"] = ",".join(str(x) for x in self.streams)
         p.on(keys.meta(bid)).hset(keys.meta(bid), mapping=meta)
@@ -279,7 +278,7 @@ def seal(r: redis.Redis, scripts: Scripts, batch_id: str, now: float, reason: st
             retire_batch(r, batch_id, now)
         return
     transition(scripts, batch_id, "in_progress", "in_progress_at", now, ("validating",))
-    if scripts.finish(keys=[keys.meta(batch_id)], args=[now]):
+    if finish(scripts, batch_id, now):
         retire_batch(r, batch_id, now)  # workers were faster than the last flush
     _finish_cancel(r, scripts, batch_id, total, now)
 

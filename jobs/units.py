@@ -7,7 +7,7 @@ import re
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-_SIZE = TypeAdapter(ByteSize)
+_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 _DURATION = re.compile(r"^\s*(\d{1,7}(?:\.\d+)?)\s*([smhd])\s*$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

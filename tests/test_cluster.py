@@ -152,7 +152,7 @@ def test_primary_restarted_mid_batch_loses_nothing_acknowledged(cr: redis.Redis,
         wait_for(lambda: cr.hlen(keys.done(b.id)) >= 12, 120, "12 results")
         acknowledged = {e["idx"]: e for e in result_entries(cr, b.id)}
         cluster.kill_node(node)
-        wait_for(lambda: len(w.worker.writer) > 0, 30, "results held while the node is down")
+        wait_for(lambda: len(w.worker.session.outbox) > 0, 30, "results held while the node is down")
         cluster.start_node(node)
         wait_for(lambda: final(cr, b.id), 120, "the batch to finish")
     finally:

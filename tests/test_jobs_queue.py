@@ -20,7 +20,7 @@ from jobs import keys
 from jobs.connection import connect, ensure_server, find_server, redis_url, stop_server
 from jobs.housekeeping import housekeep
 from jobs.schemas import SamplingParams
-from jobs.scripts import Scripts
+from jobs.scripts import Scripts, record
 from jobs.store import (
     cancel_batch,
     cancel_job,
@@ -155,9 +155,7 @@ def _complete(r: redis.Redis, batch_id: str, idx: int, text: str) -> tuple[int, 
     assert job["idx"] == idx
     res = {"job_id": job["id"], "custom_id": job["custom_id"], "batch_id": batch_id, "idx": idx, "text": text,
            "finish_reason": "stop"}
-    fresh, fin = Scripts(r).record(keys=[keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), stream,
-                                         keys.dead(batch_id)],
-                                   args=[idx, "completed", json.dumps(res), eid, "", time.time(), keys.GROUP])
+    fresh, fin = record(Scripts(r), batch_id, idx, "completed", json.dumps(res), stream, eid, "", time.time())
     return fresh, fin
 
 
@@ -167,8 +165,7 @@ def test_record_is_idempotent_and_finishes_the_batch(r: redis.Redis) -> None:
         assert _complete(r, b.id, i, f"t{i}") == (1, "completed" if i == 2 else "")
     # A redelivered job written again: nothing changes, nothing counted twice.
     res = json.dumps({"job_id": "x", "custom_id": "job-0", "text": "other"})
-    again = Scripts(r).record(keys=[keys.meta(b.id), keys.done(b.id), keys.results(b.id), keys.meta(b.id), keys.dead(b.id)],
-                              args=[0, "completed", res, "", "", time.time(), keys.GROUP])
+    again = record(Scripts(r), b.id, 0, "completed", res, "", "", "", time.time())  # no entry to acknowledge
     assert again == [0, ""]
     batch = get_batch(r, b.id)
     assert batch.status == "completed" and batch.counts.completed == 3 and batch.completed_at

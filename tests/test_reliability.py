@@ -20,7 +20,7 @@ from engine.llm import LLM
 from jobs import keys
 from jobs.housekeeping import housekeep
 from jobs.schemas import LineError, parse_line
-from jobs.scripts import Scripts
+from jobs.scripts import Scripts, requeue
 from jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth
 from jobs.submit import _Submission, submit
 
@@ -139,12 +139,12 @@ def test_redis_full_holds_results_and_refuses_submission_cleanly(r: redis.Redis,
         wait_for(lambda: r.hlen(keys.done(b.id)) >= 4, 60, "some results")
         r.config_set("maxmemory", 1)  # every write that needs memory is refused (OOM) from now
         try:
-            wait_for(lambda: len(w.worker.writer) >= 3, 60, "results held while Redis is full")
+            wait_for(lambda: len(w.worker.session.outbox) >= 3, 60, "results held while Redis is full")
             written = r.hlen(keys.done(b.id))
             with pytest.raises(redis.ResponseError, match="job server is full"):
                 submit(prompt_lines(3, rng), r=r, model="tiny")
             time.sleep(1.0)  # the held results are retried meanwhile, and refused
-            assert r.hlen(keys.done(b.id)) == written and len(w.worker.writer) >= 3
+            assert r.hlen(keys.done(b.id)) == written and len(w.worker.session.outbox) >= 3
         finally:
             r.config_set("maxmemory", 0)
         wait_for(lambda: final(r, b.id), 60, "the batch to finish once memory frees")
@@ -260,7 +260,7 @@ def test_a_late_worker_cannot_requeue_a_job_another_took(r: redis.Redis) -> None
     stream = keys.jobs(b.id, 0)
     (_, [(eid, fields)]), = r.xreadgroup(keys.GROUP, "late", {stream: ">"}, count=1)
     r.xclaim(stream, keys.GROUP, "taker", 0, [eid])  # the late worker's heartbeat lapsed meanwhile
-    put_back = Scripts(r).requeue(keys=[stream], args=[eid, keys.GROUP, fields["j"], 0, "late"])
+    put_back = requeue(Scripts(r), stream, eid, fields["j"], 0, "late")
     assert put_back == 0
     assert r.xlen(stream) == 1 and r.xpending(stream, keys.GROUP)["consumers"] == [{"name": "taker", "pending": 1}]
 

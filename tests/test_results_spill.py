@@ -22,7 +22,7 @@ from api.settings import Settings
 from jobs import keys, spill
 from jobs.consumer.outbox import CHUNK, Writer
 from jobs.local_cluster import LocalCluster
-from jobs.scripts import Scripts
+from jobs.scripts import Scripts, note_spilled
 from jobs.spill import Spill
 from jobs.store import delete_batch, get_batch, get_result, read_results
 from jobs.submit import submit
@@ -152,8 +152,7 @@ def test_a_spiller_that_died_or_lost_the_race_changes_nothing(r: redis.Redis, tm
     ends = r.lrange(keys.spill_chunks(b.id), 0, -1)
     assert len(ends) == 1 and ends[0] != entries[-1][0] and r.xlen(keys.results(b.id)) == 100
     # A late spiller that read chunk count 0 before: refused, the stream untouched.
-    late = [keys.meta(b.id), keys.results(b.id), keys.spill_chunks(b.id)]
-    assert scripts.spilled(keys=late, args=[0, ends[0], "9999999999999-0"]) == 0
+    assert note_spilled(scripts, b.id, 0, ends[0], "9999999999999-0") == 0
     assert r.xlen(keys.results(b.id)) == 100 and dead.exists()  # the orphan is ignored by readers
     whole = [x.idx for x in read_results(r, b.id, "0", 10_000).results]
     assert sorted(whole) == list(range(3000))

@@ -35,6 +35,19 @@ from jobs.submit import submit
 pytest_plugins = ["jobs_fixtures"]
 
 
+def test_worker_package_imports_no_redis() -> None:
+    """Everything in Redis is the consumer session's (jobs/consumer/): the worker speaks only its verbs."""
+    import ast
+
+    offenders = []
+    for path in sorted((Path(__file__).parent.parent / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("redis", "valkey")]
+    assert offenders == [], offenders
+
+
 class RecordingLLM(LLM):
     """The engine, noting which jobs it was given and the order they finished in."""
 
@@ -177,8 +190,8 @@ def test_server_restart_mid_batch(r: redis.Redis, sluice_home: Path, tiny_model_
     acknowledged = {e["idx"]: e for e in result_entries(r, b.id)}
     steps = w.worker.report.steps
     assert stop_server(sluice_home, kill=True)
-    wait_for(lambda: len(w.worker.writer) > 0, 30, "results held while the server is down")
-    assert w.worker.report.steps > steps and not w.worker.link.up
+    wait_for(lambda: len(w.worker.session.outbox) > 0, 30, "results held while the server is down")
+    assert w.worker.report.steps > steps and not w.worker.session.link.up
     time.sleep(0.5)
     ensure_server(sluice_home)
     wait_for(lambda: final(r, b.id), 120, "the batch to finish")
@@ -240,7 +253,7 @@ def test_cancel_stops_in_flight_sequences_within_a_step(r: redis.Redis, tiny_mod
                 super().extend(events)
 
         arrivals = Arrivals()
-        w.worker.cancels.events = arrivals
+        w.worker.session.cancel_feed.events = arrivals
         cancelled = cancel_batch(r, b.id)
         assert cancelled.status == "cancelled"
         wait_for(lambda: not w.worker.held and not llm.has_unfinished(), 30, "the worker to drop the batch")

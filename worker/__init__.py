@@ -1,5 +1,6 @@
-"""The worker: one process per accelerator pulling jobs from Redis into the engine. Entry point: ``run_worker``."""
+"""The worker: one process per accelerator pulling jobs from the queue into the engine. Entry point: ``run_worker``."""
 
-from worker.worker import WorkerReport, run_worker
+from worker.options import WorkerReport
+from worker.run import run_worker
 
 __all__ = ["WorkerReport", "run_worker"]

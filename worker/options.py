@@ -1,10 +1,18 @@
-"""What a worker is told (WorkerOptions) and what it reports when it stops (WorkerReport)."""
+"""What a worker is told (WorkerOptions) and what it reports when it stops (WorkerReport).
+
+WorkerOptions holds the one set of defaults: ``run_worker``, ``python -m worker`` and ``sluice worker``
+pass on only what they were given."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
+from engine.protocol import Engine
+from jobs.consumer.session import SessionSettings, SessionStats
 from jobs.housekeeping import RESULTS_TTL
+
+EngineFactory = Callable[[], Engine]
 
 
 @dataclass
@@ -24,6 +32,11 @@ class WorkerOptions:
     exit_when_idle: float | None = None  # stop after this many seconds with nothing to do
     stall_after: float = 600.0  # a step loop stuck this long (a hung engine) lets the heartbeat lapse
 
+    @property
+    def session(self) -> SessionSettings:
+        names = {f.name for f in fields(SessionSettings)}
+        return SessionSettings(**{k: v for k, v in vars(self).items() if k in names})
+
 
 @dataclass
 class WorkerReport:
@@ -42,3 +55,8 @@ class WorkerReport:
     sick: str = ""  # why the engine was judged sick (the worker then exits non-zero)
     max_held: int = 0
     wall_s: float = 0.0
+
+    def merge(self, s: SessionStats) -> None:
+        """The session's tallies: outcomes written fresh by status, claimed, dead-lettered, released."""
+        for name in ("completed", "failed", "cancelled", "expired", "dead_lettered", "released", "claimed"):
+            setattr(self, name, getattr(self, name) + getattr(s, name))

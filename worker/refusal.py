@@ -3,7 +3,7 @@ jobs waiting on its queue with the reason, rather than leaving them to wait for 
 
 Only when no live worker serves the queue: one that does may run those jobs (a shared ``--queue``).
 Jobs added after the queue was read wait as before. Each outcome goes through the same atomic record
-as any other (jobs/consumer/commands.py), so a job gets exactly one even if a cancel or another worker races it.
+as any other (jobs/consumer/), so a job gets exactly one even if a cancel or another worker races it.
 """
 
 from __future__ import annotations
@@ -11,15 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 
-import redis
-
-from jobs.consumer import commands as consumer
-from jobs.consumer import outcomes
-from jobs.consumer.link import Link
-from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
-from jobs.store import served_queues
+from jobs.consumer.session import CONNECT_ERRORS, JOB_SERVER_ERRORS, ConsumerSession, SessionSettings
 from worker.options import WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -33,41 +26,33 @@ def fail_waiting_jobs(opts: WorkerOptions, reason: str) -> int:
     Redis trouble is logged, not raised: the worker exits on the refusal either way."""
     name = f"{opts.worker_id or socket.gethostname()}/refused-{os.getpid()}"  # no heartbeat: claimable if we die
     try:
-        link = Link(opts.redis_url)
-    except (OSError, RuntimeError, redis.RedisError) as e:
+        session = ConsumerSession(opts.queue, name, True, opts.redis_url, SessionSettings(), dict, register=False)
+    except CONNECT_ERRORS as e:
         log.error("cannot reach the job server to fail the jobs waiting on %r: %s", opts.queue, e)
         return 0
     try:
-        if opts.queue in served_queues(link.r):
+        if session.serves_elsewhere():
             log.warning("another live worker serves queue %r: its waiting jobs are left to it", opts.queue)
             return 0
-        n = _fail_all(link, opts.queue, name, reason)
-    except (*REDIS_DOWN, redis.RedisError, WriteHeld) as e:
+        n = _fail_all(session, reason)
+    except JOB_SERVER_ERRORS as e:
         log.error("failing the jobs waiting on %r stopped: %s (the rest wait for another worker)", opts.queue, e)
         return 0
     finally:
-        link.r.close()
+        session.close()
     if n:
         log.error("failed the %d jobs waiting on queue %r (%s): %s", n, opts.queue, REFUSED, reason)
     return n
 
 
-def _fail_all(link: Link, queue: str, name: str, reason: str) -> int:
+def _fail_all(session: ConsumerSession, reason: str) -> int:
     """New jobs and the pending ones of dead workers, a chunk at a time, until none is left."""
-    writer = Writer()
-    seen: set[str] = set()  # entries handled: not claimed again should their write have been dropped
+    seen: set[str] = set()  # entries handled: not taken again should their write have been dropped
     failed = 0
     while True:
-        got = consumer.claim(link.r, queue, name, CHUNK, seen)
-        more = consumer.read(link.r, queue, name, CHUNK, consumer.ready(link.r, queue))
-        got.deliveries += more.deliveries
-        got.unreadable += more.unreadable
-        if not got.deliveries and not got.unreadable:
+        before = len(seen)
+        for d in session.take_waiting(CHUNK, seen):
+            session.settle(d, "failed", REFUSED, reason)
+        if len(seen) == before:
             return failed
-        seen.update(u.entry_id for u in got.unreadable)
-        for o in outcomes.unreadables(link.r, got, name, queue):
-            writer.add(o)
-        for d in got.deliveries:
-            seen.add(d.entry_id)
-            writer.add(outcomes.settled(d, "failed", REFUSED, reason, name, queue))
-        failed += sum(w.fresh for w in writer.flush(link.r, link.scripts, time.time()))
+        failed += session.write_now()

@@ -1,52 +1,37 @@
-"""The worker loop: pull jobs the KV cache can take -> engine.step() -> write each finished job at once.
+"""The worker loop: take jobs the KV cache can take -> engine.step() -> hand each finished job to the
+session at once.
 
-One process per accelerator. Besides the loop: claiming the pending jobs of workers whose heartbeat
-is gone (and its own, after a restart), dead-lettering jobs delivered too often, aborting cancelled
-jobs before the next step, a graceful drain on SIGTERM, and generating on while Redis is away (results
-are held and written on reconnect). The Redis protocol is jobs/consumer/commands.py's; the heartbeat
-(jobs/consumer/heartbeat.py) and failure isolation (worker/isolation.py) are units of their own.
+One process per accelerator. This is the engine side: the admission budget (worker/puller.py),
+stepping, failure isolation (worker/isolation.py), aborting cancelled jobs before the next step, a
+graceful drain on SIGTERM. Everything in Redis (taking, holding, writing back, the heartbeat, the
+cancel feed, generating on while Redis is away) is the ConsumerSession's (jobs/consumer/session.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import redis
-
-from jobs import keys
-from jobs.consumer import commands as consumer
-from jobs.consumer import outcomes
-from jobs.consumer.cancel_feed import CancelFeed
-from jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
-from jobs.consumer.heartbeat import Heartbeat
-from jobs.consumer.identity import take_identity
-from jobs.consumer.link import Link
-from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
-from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.store import queue_depth
+from engine.outputs import Completion
+from engine.protocol import Engine
+from jobs.consumer.commands import Delivery
+from jobs.consumer.session import ConsumerSession
+from jobs.schemas import Job
 from worker.convert import completion_to_result, job_to_request
 from worker.isolation import EngineSick, Isolation
 from worker.metrics import WorkerMetrics
-from worker.options import WorkerOptions, WorkerReport
+from worker.options import EngineFactory, WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
-from worker.refusal import fail_waiting_jobs
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
-DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
-HELD_BACKOFF_MAX = 5.0  # seconds between retries of outcomes that got an error reply
 
 
 @dataclass
@@ -58,71 +43,52 @@ class Held:
     rid: str | None = None  # the engine request id while it is in the engine
 
     @property
-    def job(self) -> Any:
+    def job(self) -> Job:
         return self.d.job
 
 
-def default_worker_id(llm: Any) -> str:
-    device = str(getattr(llm, "device", "cpu")).replace(":", "")
-    return f"{socket.gethostname()}/{device}"
+def default_worker_id(llm: Engine) -> str:
+    return f"{socket.gethostname()}/{str(llm.device).replace(':', '')}"
 
 
 @dataclass
 class _Timers:
-    claim: float = 0.0
-    housekeeping: float = 0.0
-    depth: float = 0.0
     busy: float = field(default_factory=time.monotonic)
 
 
 class Worker:
-    def __init__(self, llm: Any, opts: WorkerOptions, stop_event: threading.Event | None = None,
-                 llm_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, llm: Engine, opts: WorkerOptions, stop_event: threading.Event | None = None,
+                 llm_factory: EngineFactory | None = None) -> None:
         self.llm = llm
         self.llm_factory = llm_factory
         self.o = opts
         self.stop_event = stop_event or threading.Event()
-        cfg = getattr(llm, "config", None)
-        max_seqs = getattr(cfg, "max_num_seqs", 256)
-        self.link = Link(opts.redis_url)
-        self.id = take_identity(self.link.r, opts.worker_id or default_worker_id(llm), opts.worker_id is not None,
-                                self._beat, opts.heartbeat_ttl)
-        lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
-        self.block_size = getattr(cfg, "block_size", 16)
-        self.vocab_size: int | None = getattr(getattr(llm, "hf_config", None), "vocab_size", None)
-        self.puller = Puller(opts.queue, self.id, max_seqs, lookahead, self.block_size)
-        self.writer = Writer()
-        self.metrics = WorkerMetrics(opts.queue, self.id)
-        self.report = WorkerReport(worker_id=self.id)
         self.held: dict[str, Held] = {}  # job id -> Held
         self.by_rid: dict[str, Held] = {}  # engine request id -> Held
+        self.draining = False
+        self.session = ConsumerSession(opts.queue, opts.worker_id or default_worker_id(llm), opts.worker_id is not None,
+                                       opts.redis_url, opts.session, self._status)
+        self.id = self.session.id
+        max_seqs = llm.config.max_num_seqs
+        lookahead = opts.lookahead if opts.lookahead is not None else default_lookahead(max_seqs)
+        self.block_size = llm.config.block_size
+        self.puller = Puller(max_seqs, lookahead, self.block_size)
+        self.metrics = WorkerMetrics(opts.queue, self.id)
+        self.report = WorkerReport(worker_id=self.id)
         self.iso: Isolation[Held] = Isolation()
         self.to_release: list[Held] = []  # aborted at shutdown, not yet handed back to the queue
         self.rids = itertools.count()
         self.t = _Timers()
-        self.claim_every = opts.claim_interval or opts.heartbeat_ttl / 2
-        self.cancels = CancelFeed(self.link, opts.queue, REDIS_DOWN)
-        self.heartbeat = Heartbeat(self.link, self.id, lambda: self._beat(self.id), opts.heartbeat_ttl,
-                                   opts.stall_after, REDIS_DOWN)
-        self.held_backoff = 0.0
-        self.refusing = False  # the last round trip got an error reply
-        self._wake = threading.Event()  # outcomes to write
-        self._bg_stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.draining = False
         self.drain_deadline = 0.0
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
+        self._write_errors = 0
 
-    # ---- heartbeat -------------------------------------------------------------------------------
-    def _beat(self, wid: str) -> str:
+    def _status(self) -> dict[str, Any]:
+        """The engine's side of our heartbeat."""
         llm = self.llm
-        return json.dumps({
-            "id": wid, "host": socket.gethostname(), "pid": os.getpid(), "queue": self.o.queue, "time": time.time(),
-            "held": len(getattr(self, "held", ())), "running": llm.num_running, "waiting": llm.num_waiting,
-            "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks,
-            "draining": getattr(self, "draining", False),
-        })
+        return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
+                "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -131,13 +97,7 @@ class Worker:
             self.metrics.serve(self.o.metrics_port)
         log.info("worker %s on queue %r: %s model implementation, %d KV blocks, holds at most %d jobs", self.id,
                  self.o.queue, self.llm.model_impl, self.llm.num_total_blocks, self.puller.max_held)
-        # Writing results, cancel news and the heartbeat happen beside the step loop, so a step never
-        # waits on Redis, and a long step does not look like a dead worker.
-        self.heartbeat.start()
-        self.cancels.start()
-        t = threading.Thread(target=self._background, name="sluice-writer", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self.session.start()
         try:
             while not self._finished():
                 self._tick()
@@ -149,85 +109,29 @@ class Worker:
         return self.report
 
     def _tick(self) -> None:
-        self.heartbeat.tick()
-        if self.heartbeat.lapsed.is_set():
-            self._redis(self._drop_lost)
+        for d in self.session.lost([h.d for h in self.held.values()]):
+            self._lose(self.held[d.job.id])
         self._apply_cancels()
         if not self.draining:
             self._fill()
         stepped = self._step()
-        if len(self.writer):
-            self._wake.set()
+        self.session.tick()
         self._observe()
         if not stepped:
             self.stop_event.wait(self.o.poll_interval)
 
-    def _background(self) -> None:
-        """Write outcomes as they come, and the periodic upkeep; until stopped with nothing left to write."""
-        while True:
-            self._wake.wait(0.05)
-            self._wake.clear()
-            stopping = self._bg_stop.is_set()
-            try:
-                if len(self.writer):
-                    self._redis(self._flush)
-                if not stopping:
-                    self._upkeep(time.monotonic())
-            except WriteHeld as e:
-                # Redis answered but refused (full, read-only, ...): keep the results and retry.
-                self.held_backoff = min(max(2 * self.held_backoff, 0.1), HELD_BACKOFF_MAX)
-                self.metrics.write_errors.inc()
-                log.error("results held, retrying in %.1fs: %s", self.held_backoff, e)
-                self._bg_stop.wait(self.held_backoff)
-            except Exception:  # noqa: BLE001 - this thread must not die: results would never be written
-                log.exception("background writer")
-                time.sleep(0.5)
-            if stopping:
-                return
-
-    def _apply_cancels(self) -> None:
-        for ev in self.cancels.take():
-            self._cancel(ev)
-
-    def _redis(self, fn: Callable[..., T], *args: Any) -> T | None:
-        """Run a Redis round trip unless Redis is down; note whether it answered."""
-        if not self.link.usable():
-            return None
-        try:
-            out = fn(*args)
-        except REDIS_DOWN as e:
-            self.link.failed(e)
-            return None
-        except redis.ResponseError as e:
-            # Reachable but refusing (full, read-only replica, ...): skip this round trip, try again later.
-            if not self.refusing:
-                log.error("Redis refused a request (retrying on the next tick): %s", e)
-            self.refusing = True
-            return None
-        self.refusing = False
-        if self.link.succeeded():
-            self._redis(self.heartbeat.beat_now)
-        return out
-
-    def _upkeep(self, now: float) -> None:
-        if now >= self.t.housekeeping and not self.draining:
-            self.t.housekeeping = now + self.o.housekeeping_interval
-            self._redis(lambda: housekeep_if_due(self.link.r, self.id, self.o.housekeeping_interval,
-                                                 results_ttl=self.o.results_ttl))
-        if now >= self.t.depth:
-            self.t.depth = now + DEPTH_EVERY
-            depth = self._redis(queue_depth, self.link.r, self.o.queue)
-            if depth is not None:
-                self.metrics.queue_depth.set(depth)
-
     def _observe(self) -> None:
-        llm = self.llm
+        llm, s = self.llm, self.session
         self.metrics.engine(llm.num_running, llm.num_waiting, len(self.held), llm.num_free_blocks,
                             llm.num_total_blocks)
-        self.metrics.outbox.set(len(self.writer))
-        self.metrics.redis_up.set(1 if self.link.up else 0)
-        self.report.max_held = max(self.report.max_held, len(self.held) + len(self.writer))
-        if self.held or len(self.writer):
+        self.metrics.outbox.set(s.pending_writes)
+        self.metrics.redis_up.set(1 if s.up else 0)
+        if s.queue_depth is not None:
+            self.metrics.queue_depth.set(s.queue_depth)
+        self.metrics.write_errors.inc(s.stats.write_errors - self._write_errors)
+        self._write_errors = s.stats.write_errors
+        self.report.max_held = max(self.report.max_held, len(self.held) + s.pending_writes)
+        if self.held or s.pending_writes:
             self.t.busy = time.monotonic()
 
     # ---- taking jobs -----------------------------------------------------------------------------
@@ -238,71 +142,22 @@ class Worker:
             return
         llm = self.llm
         # Finished jobs stay pending in Redis until their outcome is written: they count as held.
-        held = len(self.held) + len(self.writer)
+        held = len(self.held) + self.session.pending_writes
         n = self.puller.budget(held, llm.num_running, llm.num_waiting, llm.num_free_blocks)
         if n <= 0 or (n < self.puller.min_pull and llm.num_waiting > 0):
             return  # the engine has work queued: pull when a few more fit, in one round trip
-        for d in self._redis(self._pull, n) or []:
-            self._admit(d)
-
-    def _pull(self, n: int) -> list[Delivery]:
-        r = self.link.r
-        got: list[Delivery] = []
-        now = time.monotonic()
-        if now >= self.t.claim:
-            self.t.claim = now + self.claim_every
-            held_entries = {h.d.entry_id for h in self.held.values()} | self.writer.entry_ids()
-            claimed = self.puller.claim(r, n, held_entries)
-            self.report.claimed += len(claimed.deliveries)
-            got = self._unreadable(claimed)
-        if len(got) < n:
-            got += self._unreadable(self.puller.read(r, n - len(got)))
-        return self._screen(got) if got else []
-
-    def _unreadable(self, p: Pulled) -> list[Delivery]:
-        """Entries that are not jobs get a failed outcome (their batch can then finish); the jobs are returned."""
-        for o in outcomes.unreadables(self.link.r, p, self.id, self.o.queue):
-            self.writer.add(o)
-        return p.deliveries
-
-    def _screen(self, ds: list[Delivery]) -> list[Delivery]:
-        """Settle at once the jobs that must not run (outcome already written, batch cancelled or
-        expired, deadline passed, delivered too often); return the rest."""
-        now = time.time()
-        return [d for d, (done, status, last_error) in zip(ds, consumer.screen(self.link.r, ds), strict=True)
-                if self._verdict(d, done, status, last_error, now) is None]
-
-    def _verdict(self, d: Delivery, done: bool, status: str | None, last_error: str | None, now: float) -> str | None:
-        """Why ``d`` is not to run (its outcome is queued here), or None."""
-        job = d.job
-        if status is None:
-            return "gone"  # the batch was deleted; its streams with it
-        if done or status in ("cancelling", "cancelled"):
-            self._settle(d, "cancelled", "batch_cancelled", "the batch was cancelled")
-            return "done"
-        if status == "expired":
-            self._settle(d, "expired", "batch_expired", "the batch expired")
-            return "expired"
-        if job.deadline is not None and job.deadline <= now:
-            self._settle(d, "expired", "deadline_exceeded", "the deadline passed before the job started")
-            return "deadline"
-        if d.deliveries > self.o.max_deliveries:
-            self._dead_letter(d, last_error or "the worker running it stopped without a result (crashed?)")
-            return "dead"
-        return None
-
-    def _admit(self, d: Delivery) -> None:
-        h = Held(d, time.time())
-        self.held[d.job.id] = h
-        self._start(h)
+        for d in self.session.take(n, {h.d.entry_id for h in self.held.values()}):
+            h = Held(d, time.time())
+            self.held[d.job.id] = h
+            self._start(h)
 
     def _start(self, h: Held) -> None:
         rid = f"{h.job.id}#{next(self.rids)}"
         try:
-            req = job_to_request(h.job, rid, self.vocab_size)
+            req = job_to_request(h.job, rid, self.llm.vocab_size)
         except ValueError as e:
             self._forget(h)
-            self._settle(h.d, "failed", "invalid_request", str(e))
+            self.session.settle(h.d, "failed", "invalid_request", str(e))
             return
         try:
             self.llm.add_request(req)
@@ -340,9 +195,11 @@ class Worker:
             self._completed(c)
         return True
 
-    def _completed(self, c: Any) -> None:
+    def _completed(self, c: Completion) -> None:
         if c.request_id == self.iso.probe_rid:
-            self._probe_passed()
+            accused = self.iso.probe_passed()  # the engine works, so the accused job broke it
+            if accused is not None and accused.held.job.id in self.held:
+                self._attempt_failed(accused.held, accused.error)
             return
         h = self.by_rid.pop(c.request_id, None)
         if h is None:
@@ -353,8 +210,7 @@ class Worker:
         self.puller.observe(p.n * -(-(c.usage.prompt_tokens + p.max_tokens) // self.block_size))
         res = completion_to_result(h.job, c, self.llm.tokenizer, started=h.pulled_at, worker=self.id,
                                    model=self.o.queue)
-        self.writer.add(Outcome(h.job.batch_id, h.job.idx, res.status, res.model_dump_json(exclude_none=True),
-                                h.d.stream, h.d.entry_id))
+        self.session.put(h.d, res)
         self.report.tokens += c.usage.completion_tokens
         self.metrics.job_done(res.status, c.usage.completion_tokens, h.job.created_at, h.pulled_at)
 
@@ -375,11 +231,6 @@ class Worker:
             self._abort(h)
         self.iso.step_failed(victims)
 
-    def _probe_passed(self) -> None:
-        accused = self.iso.probe_passed()
-        if accused is not None and accused.held.job.id in self.held:
-            self._attempt_failed(accused.held, accused.error)
-
     def _sick(self, e: BaseException) -> None:
         """Even our probe fails alone: the engine, not the jobs. Hand every job back uncharged and exit."""
         self.report.sick = f"the engine fails a probe request on its own: {type(e).__name__}: {e}"
@@ -392,18 +243,13 @@ class Worker:
 
     def _attempt_failed(self, h: Held, e: BaseException) -> None:
         """This job made a working engine fail: retry it alone, or dead-letter it after max_deliveries."""
-        msg = f"{type(e).__name__}: {e}"
-        self._redis(consumer.note_error, self.link.r, h.d, msg)
-        if h.d.deliveries >= self.o.max_deliveries:
+        verdict = self.session.charge(h.d, f"{type(e).__name__}: {e}")
+        if verdict == "dead":
             self._forget(h)
-            self._dead_letter(h.d, msg)
-            return
-        # Counted in Redis too, so the tally survives a crash of this worker; fenced: not if it was taken.
-        if self._redis(consumer.count_attempt, self.link.r, self.link.scripts, h.d, self.id) is False:
+        elif verdict == "lost":
             self._lose(h)
-            return
-        h.d.deliveries += 1
-        self.iso.retry_first(h)
+        else:
+            self.iso.retry_first(h)
 
     def _abort(self, h: Held) -> None:
         if h.rid is None:
@@ -416,16 +262,12 @@ class Worker:
             if self.llm_factory is None:
                 raise
             log.exception("abort failed; rebuilding the engine")
-            self._rebuild_engine()
-
-    def _rebuild_engine(self) -> None:
-        assert self.llm_factory is not None
-        survivors = list(self.by_rid.values())
-        self.by_rid.clear()
-        self.llm = self.llm_factory()
-        for h in survivors:
-            h.rid = None
-        self.iso.step_failed(survivors)
+            survivors = list(self.by_rid.values())
+            self.by_rid.clear()
+            self.llm = self.llm_factory()
+            for s in survivors:
+                s.rid = None
+            self.iso.step_failed(survivors)
 
     def _forget(self, h: Held) -> None:
         self.held.pop(h.job.id, None)
@@ -439,41 +281,16 @@ class Worker:
         self._forget(h)
         self.report.lost += 1
 
-    def _drop_lost(self) -> None:
-        self.heartbeat.lapsed.clear()
-        held = list(self.held.values())
-        lost = [h for h, mine in zip(held, consumer.still_held(self.link.r, self.id, [h.d for h in held]), strict=True)
-                if not mine]
-        for h in lost:
-            self._lose(h)
-        log.warning("heartbeat had lapsed: %d of %d held jobs were taken by other workers", len(lost), len(held))
-
-    # ---- outcomes --------------------------------------------------------------------------------
-    def _settle(self, d: Delivery, status: str, code: str, message: str) -> None:
-        self.writer.add(outcomes.settled(d, status, code, message, self.id, self.o.queue))
-
-    def _dead_letter(self, d: Delivery, error: str) -> None:
-        log.error("dead-lettering job %s after %d deliveries: %s", d.job.id, d.deliveries, error)
-        self.writer.add(outcomes.dead_letter(d, error, self.id, self.o.queue))
-        self.report.dead_lettered += 1
-
-    def _flush(self) -> None:
-        for w in self.writer.flush(self.link.r, self.link.scripts, time.time()):
-            if w.fresh:
-                setattr(self.report, w.outcome.status, getattr(self.report, w.outcome.status) + 1)
-
-    # ---- cancels ---------------------------------------------------------------------------------
-    def _cancel(self, ev: CancelEvent) -> None:
-        hit = [h for h in self.held.values()
-               if h.job.batch_id == ev.batch_id and (ev.idx is None or h.job.idx == ev.idx)]
-        one = ev.idx is not None
-        for h in hit:
-            self._abort(h)  # frees its KV blocks before the next step
-            self._forget(h)
-            code = "batch_expired" if ev.status == "expired" else ("cancelled" if one else "batch_cancelled")
-            self._settle(h.d, ev.status, code, f"the {'job' if one else 'batch'} was {ev.status}")
-        if hit:
-            log.info("aborted %d jobs of %s (%s)", len(hit), ev.batch_id, ev.status)
+    def _apply_cancels(self) -> None:
+        for ev in self.session.cancels():
+            hit = [h for h in self.held.values()
+                   if h.job.batch_id == ev.batch_id and (ev.idx is None or h.job.idx == ev.idx)]
+            for h in hit:
+                self._abort(h)  # frees its KV blocks before the next step
+                self._forget(h)
+                self.session.settle_cancelled(h.d, ev)
+            if hit:
+                log.info("aborted %d jobs of %s (%s)", len(hit), ev.batch_id, ev.status)
 
     # ---- stopping --------------------------------------------------------------------------------
     def _finished(self) -> bool:
@@ -487,13 +304,14 @@ class Worker:
             return False
         if self.held:
             self._release_all()
-        if self.to_release:  # retried each tick: Redis may be down, or backing off after a slow reply
-            self._redis(self._requeue)
-        pending = len(self.writer) or self.to_release
+        # Retried each tick: Redis may be down, or backing off after a slow reply.
+        if self.to_release and self.session.hand_back([h.d for h in self.to_release]):
+            self.to_release = []
+        pending = self.session.pending_writes or self.to_release
         return not pending or now > self.drain_deadline + FLUSH_AFTER_GRACE
 
     def _begin_drain(self, now: float) -> None:
-        self.draining = True
+        self.draining = self.session.draining = True
         self.drain_deadline = now + self.o.grace_period
         log.info("worker %s draining: %d jobs in flight, %.0fs grace", self.id, len(self.held), self.o.grace_period)
 
@@ -508,11 +326,6 @@ class Worker:
         self.to_release += left
         log.info("releasing %d unfinished jobs", len(left))
 
-    def _requeue(self) -> None:
-        consumer.requeue(self.link.r, self.link.scripts, [h.d for h in self.to_release], self.id, self.o.queue)
-        self.report.released += len(self.to_release)
-        self.to_release = []
-
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
@@ -526,48 +339,8 @@ class Worker:
             self._old_signals[sig] = signal.signal(sig, handler)
 
     def _close(self) -> None:
-        self._bg_stop.set()
-        self._wake.set()
-        for t in self._threads:
-            t.join(timeout=FLUSH_AFTER_GRACE)
-        self.cancels.stop(FLUSH_AFTER_GRACE)
-        self.heartbeat.stop()
+        self.session.close()
         for sig, old in self._old_signals.items():
             signal.signal(sig, old)
-        self._redis(consumer.sign_off, self.link.r, self.id)
         self.metrics.close()
-        self.link.r.close()
-
-
-def run_worker(model: str | None = None, *, queue: str | None = None, stop_event: threading.Event | None = None,
-               llm: Any = None, worker_id: str | None = None, redis_url: str | None = None,
-               lookahead: int | None = None, max_deliveries: int = 3, heartbeat_ttl: float = 10.0,
-               claim_interval: float | None = None, grace_period: float = 30.0, metrics_port: int | None = None,
-               housekeeping_interval: float = 30.0, results_ttl: float = RESULTS_TTL, poll_interval: float = 0.05,
-               exit_when_idle: float | None = None, **engine_kwargs: Any) -> WorkerReport:
-    """Serve ``queue`` (default: the model's name, None -> "default") until ``stop_event`` is set or
-    SIGTERM/SIGINT (in the main thread) arrives; then drain within ``grace_period`` seconds.
-
-    ``engine_kwargs`` go to ``engine.llm.LLM`` (dtype, max_num_seqs, kv_cache_memory, ...); ``llm``
-    passes a ready engine instead. A model the engine refuses (UnsupportedModelError) fails the jobs
-    waiting on the queue with the reason, then raises.
-    """
-    opts = WorkerOptions(
-        queue=queue or keys.queue_name(model), worker_id=worker_id, redis_url=redis_url, lookahead=lookahead,
-        max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl, claim_interval=claim_interval,
-        grace_period=grace_period, metrics_port=metrics_port, housekeeping_interval=housekeeping_interval,
-        results_ttl=results_ttl, poll_interval=poll_interval, exit_when_idle=exit_when_idle)
-    factory = None
-    if llm is None:
-        from engine.llm import LLM
-        from engine.models.base import UnsupportedModelError
-
-        def factory() -> Any:
-            return LLM(model, **engine_kwargs)
-
-        try:
-            llm = factory()
-        except UnsupportedModelError as e:  # no worker of this model ever will run them: fail its waiting jobs
-            fail_waiting_jobs(opts, str(e))
-            raise
-    return Worker(llm, opts, stop_event, factory).run()
+        self.report.merge(self.session.stats)

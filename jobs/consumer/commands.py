@@ -17,6 +17,7 @@ import redis
 from pydantic import ValidationError
 
 from jobs import keys
+from jobs import scripts as script
 from jobs.pipes import NodePipes
 from jobs.schemas import Job
 from jobs.scripts import Scripts
@@ -32,6 +33,10 @@ class Delivery:
     stream: str
     entry_id: str
     deliveries: int  # times this job was handed to a worker, this time included
+
+    @property
+    def batch_id(self) -> str:
+        return self.job.batch_id or ""  # a queued job always has one (jobs/submit.py)
 
 
 @dataclass
@@ -67,6 +72,12 @@ class CancelEvent:
     batch_id: str
     idx: int | None  # None: the whole batch
     status: str  # the outcome its held jobs get: cancelled | expired
+
+    def reason(self) -> tuple[str, str]:
+        """The error (code, message) of the held jobs it settles."""
+        one = self.idx is not None
+        code = "batch_expired" if self.status == "expired" else ("cancelled" if one else "batch_cancelled")
+        return code, f"the {'job' if one else 'batch'} was {self.status}"
 
 
 # ---- new jobs ------------------------------------------------------------------------------------
@@ -217,10 +228,8 @@ def drop(r: redis.Redis, u: Unreadable) -> None:
 # ---- outcomes and attempts -----------------------------------------------------------------------
 def record(scripts: Scripts, pipes: NodePipes, o: Outcome, now: float) -> None:
     """Queue on ``pipes`` the atomic write of one outcome; its reply is ``[fresh, final status or '']``."""
-    bid = o.batch_id
-    ks = [keys.meta(bid), keys.done(bid), keys.results(bid), o.stream or keys.meta(bid), keys.dead(bid)]
-    args = [o.idx, o.status, o.result_json, o.entry_id, o.dead_json, now, keys.GROUP]
-    scripts.record(keys=ks, args=args, client=pipes.on(ks[0]))
+    script.record(scripts, o.batch_id, o.idx, o.status, o.result_json, o.stream, o.entry_id, o.dead_json, now,
+                  pipes.on(keys.meta(o.batch_id)))
 
 
 def batch_exists(r: redis.Redis, batch_id: str) -> bool:
@@ -229,13 +238,13 @@ def batch_exists(r: redis.Redis, batch_id: str) -> bool:
 
 def note_error(r: redis.Redis, d: Delivery, message: str) -> None:
     """The last error of a job, for its dead letter if another worker gives up on it."""
-    r.hset(keys.last_errors(d.job.batch_id), d.job.idx, message)
+    r.hset(keys.last_errors(d.batch_id), d.job.idx, message)
 
 
 def count_attempt(r: redis.Redis, scripts: Scripts, d: Delivery, consumer: str) -> bool:
     """Count one more delivery of a job we still hold, in Redis, so the tally survives our crash.
     False if the job is no longer pending under us (another worker took it: fencing)."""
-    return bool(scripts.bump(keys=[d.stream], args=[d.entry_id, keys.GROUP, consumer]))
+    return script.bump(scripts, d.stream, d.entry_id, consumer)
 
 
 def requeue(r: redis.Redis, scripts: Scripts, ds: list[Delivery], consumer: str, queue: str) -> None:
@@ -244,9 +253,8 @@ def requeue(r: redis.Redis, scripts: Scripts, ds: list[Delivery], consumer: str,
     into the ready set after their XADDs (on a cluster they may be on other nodes: a second round)."""
     back, ready = NodePipes(r), NodePipes(r)
     for d in ds:
-        scripts.requeue(keys=[d.stream], client=back.on(d.stream),
-                        args=[d.entry_id, keys.GROUP, d.job.model_dump_json(exclude_none=True), d.deliveries - 1,
-                              consumer])
+        script.requeue(scripts, d.stream, d.entry_id, d.job.model_dump_json(exclude_none=True), d.deliveries - 1,
+                       consumer, back.on(d.stream))
         mark_ready(ready.on(keys.ready_streams(queue)), queue, d.stream, job_score(d.job))
     for reply in [*back.execute(), *ready.execute()]:
         if isinstance(reply, Exception):
@@ -267,7 +275,7 @@ def screen(r: redis.Redis, ds: list[Delivery]) -> list[tuple[bool, str | None, s
     of the deadline set: started now, housekeeping may no longer expire them."""
     pipe = r.pipeline(transaction=False)
     for d in ds:
-        bid, idx = d.job.batch_id, d.job.idx
+        bid, idx = d.batch_id, d.job.idx
         pipe.hexists(keys.done(bid), idx)
         pipe.hget(keys.meta(bid), "status")
         pipe.zrem(keys.deadlines(bid), idx)

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
+from typing import Any, cast
 
 import redis
 
@@ -111,7 +112,7 @@ class Writer:
                 else:  # the batch was deleted meanwhile: nothing left to write it to
                     log.warning("dropping the outcome of %s:%s, its batch is gone: %s", o.batch_id, o.idx, reply)
                 continue
-            fresh, final = reply  # type: ignore[misc]
+            fresh, final = cast(list[Any], reply)
             out.append(Written(o, bool(fresh)))
             if final:
                 _retire(r, o.batch_id, now)

@@ -26,7 +26,7 @@ def bare_result(job: Job, status: str, code: str, message: str, worker: str | No
 
 def settled(d: Delivery, status: str, code: str, message: str, worker: str, model: str) -> Outcome:
     res = bare_result(d.job, status, code, message, worker, model)
-    return Outcome(d.job.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True), d.stream, d.entry_id)
+    return Outcome(d.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True), d.stream, d.entry_id)
 
 
 def dead_letter(d: Delivery, error: str, worker: str, model: str) -> Outcome:
@@ -35,7 +35,7 @@ def dead_letter(d: Delivery, error: str, worker: str, model: str) -> Outcome:
     res = bare_result(d.job, "failed", "dead_letter", message, worker, model)
     dead = json.dumps({"idx": d.job.idx, "custom_id": d.job.custom_id, "error": error, "deliveries": d.deliveries,
                        "worker": worker, "job": d.job.model_dump(mode="json", exclude_none=True)})
-    return Outcome(d.job.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True), d.stream, d.entry_id,
+    return Outcome(d.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True), d.stream, d.entry_id,
                    dead)
 
 
