@@ -26,7 +26,8 @@ from typing import IO, Any
 import redis
 
 from jobs.housekeeping import RESULTS_TTL
-from jobs.schemas import Batch, line_error_to_output_line, result_to_output_line
+from jobs.openai_output import line_error_to_output_line, result_to_output_line
+from jobs.schemas import Batch
 from jobs.store import get_batch, get_line_errors, read_results
 
 _UPLOAD_ID = re.compile(r"^file-[0-9a-f]{24}$")

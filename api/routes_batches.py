@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import ApiError, not_found
 from api.filestore import error_file_id, output_file_id
 from api.state import Redis, State
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo, result_to_output_line
+from jobs.openai_output import result_to_output_line
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo
 from jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
 from jobs.submit import UnknownModel, resolve_model, submit
 from jobs.units import parse_duration

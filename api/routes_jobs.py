@@ -13,7 +13,9 @@ from fastapi import APIRouter, Body
 from api.errors import ApiError, not_found
 from api.state import Redis, State
 from api.validation import check_job, named_model
-from jobs.schemas import Batch, LineError, parse_line, result_to_output_line
+from jobs.lines import LineError, parse_line
+from jobs.openai_output import result_to_output_line
+from jobs.schemas import Batch
 from jobs.store import cancel_batch, get_batch, read_results
 from jobs.submit import UnknownModel, resolve_model, submit
 

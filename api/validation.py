@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from api.errors import ApiError
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineError, LineErrorInfo, parse_line
+from jobs.lines import LineError, parse_line
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
 
 MAX_REPORTED = 20
 

@@ -15,7 +15,8 @@ from typing import IO, Any
 import click
 
 from jobs.jsonl import values_in
-from jobs.schemas import LineErrorInfo, Result, line_error_to_output_line, result_to_output_line
+from jobs.openai_output import line_error_to_output_line, result_to_output_line
+from jobs.schemas import LineErrorInfo, Result
 
 STDIO = "-"  # as a file name: stdin for an input, stdout for an output
 

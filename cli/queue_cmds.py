@@ -30,7 +30,8 @@ from cli.options import DURATION, sampling_defaults, with_sampling_options
 from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
 from cli.progress import rates, status_text
 from jobs import keys
-from jobs.schemas import Batch, LineError, SamplingParams, parse_line
+from jobs.lines import LineError, parse_line
+from jobs.schemas import Batch, SamplingParams
 from jobs.store import (
     cancel_batch,
     get_batch,

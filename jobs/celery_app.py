@@ -39,7 +39,8 @@ from kombu.exceptions import OperationalError
 from jobs import keys
 from jobs.connection import connect, is_cluster_url, redis_url
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.schemas import LineError, Result, SamplingParams, parse_line
+from jobs.lines import LineError, parse_line
+from jobs.schemas import Result, SamplingParams
 from jobs.store import await_result, cancel_batch, delete_batch
 from jobs.submit import DEFAULT_WINDOW, resolve_model, submit
 

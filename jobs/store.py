@@ -12,6 +12,7 @@ import redis
 
 from jobs import keys, spill
 from jobs.consumer.commands import publish_cancel
+from jobs.openai_output import result_to_output_line
 from jobs.schemas import (
     CHAT_URL,
     FINAL_BATCH_STATUSES,
@@ -20,7 +21,6 @@ from jobs.schemas import (
     LineErrorInfo,
     Result,
     ResultUsage,
-    result_to_output_line,
 )
 from jobs.scripts import Scripts, results_after, sweep, transition
 

@@ -18,18 +18,9 @@ import redis
 from jobs import keys
 from jobs.connection import connect
 from jobs.consumer.commands import mark_ready
+from jobs.lines import LineError, parse_line
 from jobs.pipes import NodePipes
-from jobs.schemas import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    MAX_PRIORITY,
-    Batch,
-    Job,
-    LineError,
-    LineErrorInfo,
-    SamplingParams,
-    parse_line,
-)
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, MAX_PRIORITY, Batch, Job, LineErrorInfo, SamplingParams
 from jobs.scripts import Scripts, enqueue, finish, sweep, transition
 from jobs.store import delete_batch, get_batch, retire_batch, served_queues
 

@@ -17,7 +17,9 @@ from openai.types.chat import ChatCompletion
 from engine.llm import LLM
 from engine.outputs import Completion, Request
 from engine.sampling_params import SamplingParams
-from jobs.schemas import Job, Result, completion_body, parse_line
+from jobs.lines import parse_line
+from jobs.openai_output import completion_body
+from jobs.schemas import Job, Result
 from worker.convert import completion_to_result, job_to_request
 
 CHOICES = ["alpha", "beta", "gamma"]

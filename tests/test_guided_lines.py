@@ -13,7 +13,8 @@ from openai.types.chat import ChatCompletion
 from engine.outputs import Completion as EngineCompletion
 from engine.outputs import CompletionOutput, TokenLogprob, Usage
 from engine.outputs import Timings as EngineTimings
-from jobs.schemas import LineError, completion_body, parse_line
+from jobs.lines import LineError, parse_line
+from jobs.openai_output import completion_body
 from worker.convert import completion_to_result, job_to_request, parse_tool_calls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

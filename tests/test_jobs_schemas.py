@@ -9,18 +9,9 @@ import sys
 import pytest
 from helpers import fresh_seed
 
-from jobs.schemas import (
-    Choice,
-    ErrorInfo,
-    LineError,
-    Result,
-    ResultUsage,
-    SamplingParams,
-    TokenLogprob,
-    TopLogprob,
-    parse_line,
-    result_to_output_line,
-)
+from jobs.lines import LineError, parse_line
+from jobs.openai_output import result_to_output_line
+from jobs.schemas import Choice, ErrorInfo, Result, ResultUsage, SamplingParams, TokenLogprob, TopLogprob
 
 
 def openai_line(url: str, body: dict, custom_id: str = "r1") -> str:
@@ -30,7 +21,8 @@ def openai_line(url: str, body: dict, custom_id: str = "r1") -> str:
 def test_jobs_never_import_torch() -> None:
     import subprocess
 
-    code = "import jobs.schemas, jobs.submit, jobs.store, jobs.housekeeping, sys; print('torch' in sys.modules)"
+    code = ("import jobs.schemas, jobs.lines, jobs.openai_output, jobs.submit, jobs.store, jobs.housekeeping, "
+            "jobs.consumer.session, sys; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

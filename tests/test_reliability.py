@@ -19,7 +19,7 @@ from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, result
 from engine.llm import LLM
 from jobs import keys
 from jobs.housekeeping import housekeep
-from jobs.schemas import LineError, parse_line
+from jobs.lines import LineError, parse_line
 from jobs.scripts import Scripts, requeue
 from jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth
 from jobs.submit import _Submission, submit

@@ -12,18 +12,8 @@ from typing import Any
 from engine.outputs import Completion, Request
 from engine.outputs import TokenLogprob as EngineLogprob
 from engine.sampling_params import SamplingParams as EngineParams
-from jobs.schemas import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    Choice,
-    ErrorInfo,
-    Job,
-    Result,
-    ResultTimings,
-    ResultUsage,
-    TokenLogprob,
-    TopLogprob,
-)
+from jobs.lines import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from jobs.schemas import Choice, ErrorInfo, Job, Result, ResultTimings, ResultUsage, TokenLogprob, TopLogprob
 
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 

@@ -17,7 +17,9 @@ from typing import IO, Any
 from engine.llm import LLM
 from engine.outputs import Completion
 from jobs.jsonl import values_in
-from jobs.schemas import Job, LineError, SamplingParams, parse_line, result_to_output_line
+from jobs.lines import LineError, parse_line
+from jobs.openai_output import result_to_output_line
+from jobs.schemas import Job, SamplingParams
 from worker.convert import completion_to_result, job_to_request
 
 

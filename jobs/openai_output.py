@@ -1,0 +1,89 @@
+"""A Result rendered as a line of OpenAI's batch output (and error) file, and its response body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
+
+# ---- rendering a Result as an OpenAI batch output line -----------------------------------------
+_BATCH_ERROR_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+
+
+def result_to_output_line(job: Job | None, result: Result) -> dict[str, Any]:
+    """``{"id", "custom_id", "response", "error"}`` as in OpenAI's batch output and error files."""
+    custom_id = job.custom_id if job is not None else result.custom_id
+    line: dict[str, Any] = {"id": f"batch_req_{result.job_id}", "custom_id": custom_id, "response": None,
+                            "error": None}
+    if result.status == "completed":
+        line["response"] = {"status_code": 200, "request_id": result.job_id, "body": completion_body(job, result)}
+        return line
+    err = result.error or ErrorInfo(code=result.status, message=f"request {result.status}")
+    code = _BATCH_ERROR_CODES.get(result.status, err.code)
+    line["error"] = {"code": code, "message": err.message}
+    if result.status == "failed":
+        status = 400 if err.code == "invalid_request" else 500
+        line["response"] = {"status_code": status, "request_id": result.job_id,
+                            "body": {"error": {"message": err.message, "type": "invalid_request_error"
+                                               if status == 400 else "server_error", "code": err.code}}}
+    return line
+
+
+def line_error_to_output_line(info: LineErrorInfo, custom_id: str | None = None) -> dict[str, Any]:
+    """A rejected input line as an error-file line (shaped as ``sluice generate`` writes them)."""
+    return {"id": f"line-{info.line}", "custom_id": custom_id, "response": None,
+            "error": {"code": info.code, "message": f"line {info.line}: {info.message}", "line": info.line}}
+
+
+def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
+    """A chat.completion or text_completion object for a completed Result."""
+    kind = job.kind if job is not None else result.kind
+    choices = result.choices or [Choice(index=0, text=result.text, finish_reason=result.finish_reason or "stop")]
+    created = int(result.timings.finished or 0)
+    u = result.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "total_tokens": u.prompt_tokens + u.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    model = (job.model if job is not None else None) or result.model or "default"
+    if kind == "chat":
+        out = [{"index": c.index, "message": _message(c), "logprobs": _chat_logprobs(c.logprobs),
+                "finish_reason": _finish(c.finish_reason)} for c in choices]
+        return {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
+                "model": model, "choices": out, "usage": usage}
+    out = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
+            "finish_reason": _finish(c.finish_reason)} for c in choices]
+    return {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": out, "usage": usage}
+
+
+def _message(c: Choice) -> dict[str, Any]:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+
+
+def _finish(reason: str | None) -> str:
+    # stop | length | tool_calls; an aborted or failed sample keeps its own reason ("abort", "error").
+    return reason or "stop"
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(x.token, x.logprob) for x in t.top]}
+                        for t in lps]}
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    offsets, pos = [], 0
+    for t in lps:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in lps], "text_offset": offsets}
