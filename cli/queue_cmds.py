@@ -30,7 +30,7 @@ from cli.options import DURATION, sampling_defaults, with_sampling_options
 from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
 from cli.progress import rates, status_text
 from jobs import keys
-from jobs.lines import LineError, parse_line
+from jobs.lines import first_model
 from jobs.schemas import Batch, SamplingParams
 from jobs.store import (
     cancel_batch,
@@ -94,9 +94,9 @@ def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | N
     if wait and as_json and str(output) == STDIO:
         raise click.UsageError("--json and results on stdout (-o -) would share stdout; give -o a file")
     with readable_input(input_file) as path:
-        first_model = _first_model(path)
+        named = _first_model(path)
         r = open_server()
-        queue = _queue(r, model if model is not None else first_model)
+        queue = _queue(r, model if model is not None else named)
         batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=str(input_file))
         if batch.counts.total == 0:
             if as_json:
@@ -154,16 +154,8 @@ def _open_lines(path: Path) -> Any:
 
 
 def _first_model(path: Path) -> str | None:
-    """The model the first valid line names (a batch runs on one model)."""
     with _open_lines(path) as f:
-        for line_no, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                return parse_line(text, line_no).model
-            except LineError:
-                continue
-    return None
+        return first_model(f)
 
 
 def _queue(r: redis.Redis, model: str | None) -> str:

@@ -39,7 +39,7 @@ from kombu.exceptions import OperationalError
 from jobs import keys
 from jobs.connection import connect, is_cluster_url, redis_url
 from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.lines import LineError, parse_line
+from jobs.lines import LineError, first_model, parse_line
 from jobs.schemas import Result, SamplingParams
 from jobs.store import await_result, cancel_batch, delete_batch
 from jobs.submit import DEFAULT_WINDOW, resolve_model, submit
@@ -192,7 +192,7 @@ def submit_batch(lines: Iterable[str | dict[str, Any]] | None = None, path: str 
     else:
         source = functools.partial(_read, Path(path or ""))
     r = _redis()
-    queue = resolve_model(r, model or _first_model(source()))
+    queue = resolve_model(r, model or first_model(source()))
     batch = submit(source(), r=r, model=queue, defaults=defaults, priority=priority,
                    completion_window=completion_window, metadata=metadata, input_name=path, on_complete=sig)
     return batch.id
@@ -203,17 +203,6 @@ def _read(path: Path) -> Iterator[str]:
     rejected by its parse, naming it, as the CLI and the API do."""
     with path.open(encoding="utf-8", errors="surrogateescape", newline="\n") as f:
         yield from f
-
-
-def _first_model(texts: Iterable[str]) -> str | None:
-    """The model the first valid line names (a batch runs on one model), as ``sluice submit`` reads it."""
-    for line_no, text in enumerate(texts, 1):
-        if text.strip():
-            try:
-                return parse_line(text, line_no).model
-            except LineError:
-                continue
-    return None
 
 
 # ---- the completion signature --------------------------------------------------------------------

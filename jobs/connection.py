@@ -238,16 +238,19 @@ def stop_server(home: Path | None = None, *, kill: bool = False, timeout: float 
         except redis.RedisError:
             pass  # the server closes the connection as it exits
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _pid_alive(info.pid):
+    while time.monotonic() < deadline and pid_alive(info.pid, reap=True):
         time.sleep(0.02)
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-    except ChildProcessError:
-        pass
+def pid_alive(pid: int, reap: bool = False) -> bool:
+    """Whether process ``pid`` of this host runs: not gone, not a zombie. ``reap``: reap it first if it
+    is our child (the embedded server's starter does; a worker checking a peer's pid must not)."""
+    if reap:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -78,7 +78,7 @@ def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: Housekeep
     else:
         rep.expired_jobs += expire_due_jobs(r, s, bid, now)
         model, created = r.hmget(keys.meta(bid), "model", "created_at")
-        restore_ready(r, model or "default", bid, priorities(r, bid), float(created or 0))
+        restore_ready(r, keys.queue_name(model), bid, priorities(r, bid), float(created or 0))
 
 
 def expire_due_jobs(r: redis.Redis, s: Scripts, bid: str, now: float) -> int:

@@ -21,9 +21,13 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex[:24]}"
 
 
+DEFAULT_QUEUE = "default"  # the queue of jobs that name no model
+
+
 def queue_name(model: str | None) -> str:
-    """The name a model's jobs are queued under: the model string as given, None -> "default"."""
-    name = model or "default"
+    """The name a model's jobs are queued under: the model string as given, None (or "") -> "default".
+    The one place that rule is spelled: a stored model (already a queue name) comes back unchanged."""
+    name = model or DEFAULT_QUEUE
     # Braces would be read as a hash tag by Redis Cluster.
     return name.replace("{", "(").replace("}", ")")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -288,6 +289,17 @@ def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], d
     sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}
     _add_structured(obj, fields, sampling, "")
     return fields, sampling
+
+
+def first_model(texts: Iterable[str]) -> str | None:
+    """The model the first valid line names (a batch runs on one model)."""
+    for line_no, text in enumerate(texts, 1):
+        if text.strip():
+            try:
+                return parse_line(text, line_no).model
+            except LineError:
+                continue
+    return None
 
 
 def parse_deadline(v: Any) -> float:

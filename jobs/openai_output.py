@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.keys import DEFAULT_QUEUE
 from jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
 
 # ---- rendering a Result as an OpenAI batch output line -----------------------------------------
@@ -44,7 +45,7 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-    model = (job.model if job is not None else None) or result.model or "default"
+    model = (job.model if job is not None else None) or result.model or DEFAULT_QUEUE
     if kind == "chat":
         out = [{"index": c.index, "message": _message(c), "logprobs": _chat_logprobs(c.logprobs),
                 "finish_reason": _finish(c.finish_reason)} for c in choices]

@@ -33,7 +33,7 @@ SWEEP_CHUNK = 1000  # jobs per sweep script call, so no single call holds the se
 def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Batch:
     counts = BatchCounts(**{k: int(meta.get(k) or 0) for k in BatchCounts.model_fields})
     times: dict[str, Any] = {k: float(meta[k]) if meta.get(k) else None for k in _TIMES}
-    return Batch(id=meta["id"], model=meta.get("model") or "default", status=meta["status"], counts=counts,
+    return Batch(id=meta["id"], model=keys.queue_name(meta.get("model")), status=meta["status"], counts=counts,
                  endpoint=meta.get("endpoint") or CHAT_URL,
                  priority=int(meta.get("priority") or 0), input=meta.get("input") or None,
                  metadata=json.loads(meta.get("metadata") or "{}"),
@@ -126,8 +126,8 @@ def retire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> Non
     pipe.zadd(keys.finished_batches(), {batch_id: now}, nx=True)
     streams = [keys.jobs(batch_id, p) for p in priorities(r, batch_id)]
     if streams:
-        pipe.zrem(keys.active_streams(model or "default"), *streams)
-        pipe.zrem(keys.ready_streams(model or "default"), *streams)
+        pipe.zrem(keys.active_streams(keys.queue_name(model)), *streams)
+        pipe.zrem(keys.ready_streams(keys.queue_name(model)), *streams)
     pipe.execute()
 
 
@@ -147,7 +147,7 @@ def queue_completion(r: redis.Redis, batch_id: str, now: float) -> bool:
 
 def delete_batch(r: redis.Redis, batch_id: str) -> None:
     """Every key of the batch, and its place in the indexes."""
-    model = r.hget(keys.meta(batch_id), "model") or "default"
+    model = keys.queue_name(r.hget(keys.meta(batch_id), "model"))
     prios = priorities(r, batch_id)
     r.delete(*keys.batch_keys(batch_id, prios))  # one slot: one DEL, also on a cluster
     spill.remove(spill.files_dir(), batch_id)
@@ -263,8 +263,8 @@ def cancel_batch(r: redis.Redis, batch_id: str) -> Batch | None:
         return None
     if old in ("validating", "in_progress", "cancelling"):
         meta = r.hmget(keys.meta(batch_id), "model", "total")
-        publish_cancel(r, meta[0] or "default", batch_id, None, "cancelled")
-        _sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
+        publish_cancel(r, keys.queue_name(meta[0]), batch_id, None, "cancelled")
+        sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
     return get_batch(r, batch_id)
 
 
@@ -277,7 +277,7 @@ def cancel_job(r: redis.Redis, batch_id: str, custom_id: str) -> bool:
     now = time.time()
     written, fin = sweep(s, batch_id, [int(idx)], "cancelled", "cancelled", "the job was cancelled", now)
     if written:
-        model = r.hget(keys.meta(batch_id), "model") or "default"
+        model = keys.queue_name(r.hget(keys.meta(batch_id), "model"))
         publish_cancel(r, model, batch_id, idx, "cancelled")
     if fin:
         retire_batch(r, batch_id, now)
@@ -292,12 +292,13 @@ def expire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> boo
     if old != "in_progress":
         return False
     meta = r.hmget(keys.meta(batch_id), "model", "total")
-    publish_cancel(r, meta[0] or "default", batch_id, None, "expired")
-    _sweep_all(r, s, batch_id, int(meta[1] or 0), "expired", "batch_expired", "the batch expired")
+    publish_cancel(r, keys.queue_name(meta[0]), batch_id, None, "expired")
+    sweep_all(r, s, batch_id, int(meta[1] or 0), "expired", "batch_expired", "the batch expired")
     return True
 
 
-def _sweep_all(r: redis.Redis, s: Scripts, batch_id: str, total: int, status: str, code: str, msg: str) -> None:
+def sweep_all(r: redis.Redis, s: Scripts, batch_id: str, total: int, status: str, code: str, msg: str) -> None:
+    """Outcome ``status`` for every job of the batch without one, a chunk at a time; retires it once final."""
     now = time.time()
     for start in range(0, total, SWEEP_CHUNK):
         idxs = list(range(start, min(start + SWEEP_CHUNK, total)))

@@ -21,8 +21,8 @@ from jobs.consumer.commands import mark_ready
 from jobs.lines import LineError, parse_line
 from jobs.pipes import NodePipes
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, MAX_PRIORITY, Batch, Job, LineErrorInfo, SamplingParams
-from jobs.scripts import Scripts, enqueue, finish, sweep, transition
-from jobs.store import delete_batch, get_batch, retire_batch, served_queues
+from jobs.scripts import Scripts, enqueue, finish, transition
+from jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
@@ -168,7 +168,7 @@ class _Submission:
             raise LineError(job.line, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
         wanted = None if job.model is None else self.model if job.model == self.model else keys.queue_name(job.model)
         if self.model is None:
-            self.model = wanted or "default"
+            self.model = keys.queue_name(wanted)
             self.r.hset(keys.meta(self.bid), "model", self.model)
         elif wanted is not None and wanted != self.model and not self.explicit_model:
             raise LineError(job.line, "model_mismatch", f"model {job.model!r} differs from the batch's {self.model!r}")
@@ -210,7 +210,7 @@ class _Submission:
         p.on(keys.meta(bid)).hget(keys.meta(bid), "status")
         # The queue's indexes after the batch's own writes (on a cluster, other nodes: a second round),
         # so a reader that just parked a stream sees it again.
-        queue = self.model or "default"
+        queue = keys.queue_name(self.model)
         index = self.r.pipeline(transaction=False)
         for prio in self.new_streams:
             index.zadd(keys.active_streams(queue), {self.streams[prio]: keys.stream_score(prio, self.now)})
@@ -278,8 +278,4 @@ def _finish_cancel(r: redis.Redis, scripts: Scripts, batch_id: str, total: int, 
     """A cancel that came while validating saw only part of the jobs: sweep them all now."""
     if r.hget(keys.meta(batch_id), "status") != "cancelling":
         return
-    for start in range(0, total, 1000):
-        _, fin = sweep(scripts, batch_id, list(range(start, min(start + 1000, total))),
-                       "cancelled", "batch_cancelled", "the batch was cancelled", now)
-        if fin:
-            retire_batch(r, batch_id, now)
+    sweep_all(r, scripts, batch_id, total, "cancelled", "batch_cancelled", "the batch was cancelled")

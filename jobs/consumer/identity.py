@@ -4,13 +4,13 @@ process of this host, is taken over at once, so a restarted worker picks up its 
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import time
 from collections.abc import Callable
 
 import redis
 
+from jobs.connection import pid_alive
 from jobs.consumer import commands as consumer
 
 
@@ -32,19 +32,9 @@ def _try(r: redis.Redis, wid: str, payload: Callable[[str], str], ttl: float, wa
         if consumer.claim_identity(r, wid, payload(wid), ttl_ms):
             return True
         holder = consumer.identity_holder(r, wid)
-        if holder is not None and holder.get("host") == socket.gethostname() and not _pid_alive(holder["pid"]):
+        if holder is not None and holder.get("host") == socket.gethostname() and not pid_alive(holder["pid"]):
             consumer.take_over(r, wid, payload(wid), ttl_ms)
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
