@@ -215,6 +215,17 @@ class BatchCounts(BaseModel):
         return self.completed + self.failed + self.cancelled + self.expired
 
 
+class DeadLetter(BaseModel):
+    """A job given up on after ``deliveries`` deliveries: an entry of its batch's dead-letter stream."""
+
+    idx: int
+    custom_id: str
+    error: str  # the last error
+    deliveries: int
+    worker: str  # the worker that gave up
+    job: dict[str, Any]  # the Job as queued, to resubmit
+
+
 class LineErrorInfo(BaseModel):
     line: int
     code: str

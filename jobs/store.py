@@ -18,6 +18,7 @@ from jobs.schemas import (
     FINAL_BATCH_STATUSES,
     Batch,
     BatchCounts,
+    DeadLetter,
     LineErrorInfo,
     Result,
     ResultUsage,
@@ -248,8 +249,8 @@ def get_result(r: redis.Redis, batch_id: str, custom_id: str) -> Result | None:
 
 
 def dead_letters(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:
-    """``{"idx", "job", "error", "deliveries"}`` for each dead-lettered job."""
-    return [json.loads(f["d"]) for _, f in r.xrange(keys.dead(batch_id))]
+    """Each dead-lettered job's entry (DeadLetter's fields) as a dict."""
+    return [DeadLetter.model_validate_json(f["d"]).model_dump() for _, f in r.xrange(keys.dead(batch_id))]
 
 
 # ---- cancel --------------------------------------------------------------------------------------

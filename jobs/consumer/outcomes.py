@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -11,7 +10,7 @@ import redis
 
 from jobs.consumer import commands as consumer
 from jobs.consumer.commands import Delivery, Outcome, Pulled, Unreadable
-from jobs.schemas import ErrorInfo, Job, Result, ResultTimings
+from jobs.schemas import DeadLetter, ErrorInfo, Job, Result, ResultTimings
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +32,8 @@ def dead_letter(d: Delivery, error: str, worker: str, model: str) -> Outcome:
     """A failed result naming the deliveries, plus the dead-letter entry (job, error) beside it."""
     message = f"gave up after {d.deliveries} deliveries; last error: {error}"
     res = bare_result(d.job, "failed", "dead_letter", message, worker, model)
-    dead = json.dumps({"idx": d.job.idx, "custom_id": d.job.custom_id, "error": error, "deliveries": d.deliveries,
-                       "worker": worker, "job": d.job.model_dump(mode="json", exclude_none=True)})
+    dead = DeadLetter(idx=d.job.idx, custom_id=d.job.custom_id, error=error, deliveries=d.deliveries, worker=worker,
+                      job=d.job.model_dump(mode="json", exclude_none=True)).model_dump_json()
     return Outcome(d.batch_id, d.job.idx, "failed", res.model_dump_json(exclude_none=True), d.stream, d.entry_id,
                    dead)
 
