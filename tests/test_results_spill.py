@@ -9,8 +9,6 @@ import contextlib
 import importlib.util
 import json
 import random
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -165,20 +163,6 @@ def test_a_spiller_that_died_or_lost_the_race_changes_nothing(r: redis.Redis, tm
     rest = read_results(r, b.id, page.cursor, 10_000).results
     assert [x.idx for x in page.results] + [x.idx for x in rest] == whole
     assert [x.idx for x in read_results(r, b.id, ends[0], 10_000).results] == whole[2900:]
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 4 MB filesystem (tmpfs), so a full disk is the kernel's ENOSPC, not a fake."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root): no real full disk to test against")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_full_disk_leaves_nothing_behind_and_spills_once_it_has_room(r: redis.Redis, small_disk: Path,
