@@ -32,6 +32,7 @@ DIRNAME = "appendonly"  # the server's appenddirname, under its data directory
 MANIFEST = "appendonly.aof.manifest"
 _NAME = re.compile(r"^appendonly\.aof\.(\d+)\.(base|incr)\.(rdb|aof)$")
 _NUMBER = re.compile(rb"(?:[ \t\v\f\r]*([+-]?\d+))?\r\n")
+_LOAD_WORDS = re.compile(r"append only file|AOF|manifest|loading DB|RDB")
 _RECORD_START = re.compile(rb"(?:^|\n)\*\d+\r\n\$")  # to count the records a cut drops (about)
 
 
@@ -232,6 +233,19 @@ def find_problem(directory: Path) -> Problem | None:
             lost = _records_in(path, good) + sum(_records_in(directory / x) for x in later)
             return Problem("torn", directory, e.name, size, good, later, lost)
     return None
+
+
+def load_error(log: Path, offset: int) -> str | None:
+    """The last warning the server logged after ``offset`` about loading its data (the AOF, its manifest or
+    its RDB base), if it failed so; None for any other reason to exit (a taken port, a bad config)."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.split(" # ", 1)[1] for line in lines if " # " in line and _LOAD_WORDS.search(line)]
+    return found[-1] if found else None
 
 
 def repair(directory: Path) -> tuple[list[Problem], Path | None]:

