@@ -23,6 +23,7 @@ from api.app import create_app
 from api.settings import Settings
 from api.validation import max_line_bytes
 from jobs.server import connect, ensure_server, stop_server
+from jobs.submit import submit
 
 KEY = "sk-hardening"
 BOUNDARY = "sluiceboundary"
@@ -180,5 +181,10 @@ def test_a_read_only_job_server_answers_503_and_healthz_says_so(replica: tuple[r
     health = c.get("/healthz")
     assert health.status_code == 503 and health.json()["status"] == "read_only", health.text
     assert "replica" in health.json()["job_server"], health.text
-    assert c.get("/v1/batches").status_code == 200  # reads still work
     assert primary.dbsize() == 0  # nothing of the refused requests reached the primary either
+    # A batch the primary holds: the replica's API reads it, and a cancel (a write) is a 503 too.
+    batch = submit([line], r=primary, model="default")
+    wait_for(lambda: c.get(f"/v1/batches/{batch.id}").status_code == 200, 30, "the batch on the replica")
+    res = c.post(f"/v1/batches/{batch.id}/cancel")
+    assert res.status_code == 503 and res.json()["error"]["code"] == "job_server_read_only", res.text
+    assert c.get(f"/v1/batches/{batch.id}").json()["status"] not in ("cancelling", "cancelled")
