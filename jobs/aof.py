@@ -15,7 +15,8 @@ cut at its last whole record (a MULTI without its EXEC goes too, as Valkey itsel
 increment files after it are left out of the manifest (a gap in the writes would break the job plane's
 multi-key updates: a consistent older state beats a newer broken one); unlisted newer increment files
 are listed again. The RESP framing read here is the one Valkey's loader reads: ``*<argc>\\r\\n`` then
-argc times ``$<len>\\r\\n<bytes>\\r\\n``, and ``#`` annotation lines between records (their verdicts match Valkey's own checker, see tests/test_aof.py).
+argc times ``$<len>\\r\\n<bytes>\\r\\n``, and ``#`` annotation lines between records; its verdicts are
+checked against Valkey's own checker in tests/test_aof.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from pathlib import Path
 DIRNAME = "appendonly"  # the server's appenddirname, under its data directory
 MANIFEST = "appendonly.aof.manifest"
 _NAME = re.compile(r"^appendonly\.aof\.(\d+)\.(base|incr)\.(rdb|aof)$")
-_NUMBER = re.compile(rb"(?:[ \t\v\f\r]*([+-]?\d+))?\r\n")
+# ``*<argc>\r\n`` and ``$<len>\r\n``, the number read as C's strtol reads it (leading blanks, a sign; no
+# digits at all reads 0), as both the loader and the checker do.
+_ARGC = re.compile(rb"\*(?:[ \t\v\f\r]*([+-]?\d+))?\r\n")
+_BULK = re.compile(rb"\$(?:[ \t\v\f\r]*([+-]?\d+))?\r\n")
 _LOAD_WORDS = re.compile(r"append only file|AOF|manifest|loading DB|RDB")
 _RECORD_START = re.compile(rb"(?:^|\n)\*\d+\r\n\$")  # to count the records a cut drops (about)
 
@@ -117,11 +121,12 @@ def _scan(buf: mmap.mmap | bytes, size: int) -> int:
     pos = good = 0
     multi_at: int | None = None  # where the open MULTI began
     while pos < size:
-        end = _record_end(buf, pos, size)
-        if end is None:
+        found = _record(buf, pos, size)
+        if found is None:
             break
-        if buf[pos:pos + 1] == b"*":  # not an annotation line
-            name = _first_arg(buf, pos, size).upper()
+        end, name_at, name_len = found
+        if name_len in (4, 5):  # EXEC or MULTI, perhaps
+            name = bytes(buf[name_at:name_at + name_len]).upper()
             if name == b"MULTI":
                 if multi_at is not None:
                     break  # a MULTI inside a MULTI: garbled, as Valkey's checker judges it
@@ -136,51 +141,38 @@ def _scan(buf: mmap.mmap | bytes, size: int) -> int:
     return good
 
 
-def _line(buf: mmap.mmap | bytes, pos: int, size: int, marker: bytes) -> tuple[int, int] | None:
-    """``<marker><number>\\r\\n`` at ``pos``: (the number, where the line ends); None if it is not there.
-    The number is read as C's strtol reads it (leading blanks, a sign; no digits at all reads 0)."""
-    if buf[pos:pos + 1] != marker:
-        return None
-    m = _NUMBER.match(buf, pos + 1, min(size, pos + 1 + 64))
-    if m is None:
-        return None
-    return int(m.group(1) or 0), m.end()
-
-
-def _record_end(buf: mmap.mmap | bytes, pos: int, size: int) -> int | None:
-    """Where the record (or ``#`` annotation line) at ``pos`` ends; None if it is torn or garbled."""
-    if buf[pos:pos + 1] == b"#":  # read as a line (to its \n, or the end of the file) and skipped, as the loader does
+def _record(buf: mmap.mmap | bytes, pos: int, size: int) -> tuple[int, int, int] | None:
+    """The record (or ``#`` annotation line) at ``pos``: where it ends, and where its first argument (the
+    command's name) starts and how long it is (0 for an annotation); None if it is torn or garbled."""
+    if buf[pos] == 35:  # "#": read as a line (to its \n, or the end of the file) and skipped, as the loader does
         nl = buf.find(b"\n", pos, size)
-        return size if nl < 0 else nl + 1
-    head = _line(buf, pos, size, b"*")
-    if head is None or head[0] < 1:
+        return (size if nl < 0 else nl + 1), pos, 0
+    head = _ARGC.match(buf, pos, min(size, pos + 64))
+    if head is None or int(head.group(1) or 0) < 1:
         return None
-    argc, pos = head
-    for _ in range(argc):
-        arg = _line(buf, pos, size, b"$")
+    pos = head.end()
+    name_at = name_len = -1
+    for _ in range(int(head.group(1))):
+        arg = _BULK.match(buf, pos, min(size, pos + 64))
         if arg is None:
             return None
-        n, pos = arg
+        n, pos = int(arg.group(1) or 0), arg.end()
         if n < 0 or pos + n + 2 > size or buf[pos + n:pos + n + 2] != b"\r\n":
             return None
+        if name_at < 0:
+            name_at, name_len = pos, n
         pos += n + 2
-    return pos
-
-
-def _first_arg(buf: mmap.mmap | bytes, pos: int, size: int) -> bytes:
-    """The command name of a whole record at ``pos``."""
-    head = _line(buf, pos, size, b"*")
-    arg = _line(buf, head[1], size, b"$") if head else None
-    assert arg is not None, "called on a whole record only"
-    n, start = arg
-    return bytes(buf[start:start + n])
+    return pos, name_at, name_len
 
 
 def _records_in(path: Path, start: int = 0) -> int:
     """About how many records ``path`` holds from byte ``start`` on (for what a cut loses)."""
-    with path.open("rb") as f:
-        f.seek(start)
-        return len(_RECORD_START.findall(b"\n" + f.read()))
+    size = path.stat().st_size
+    if size <= start:
+        return 0
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        # From the byte before: the \n that ends the record before ``start`` marks where this one begins.
+        return sum(1 for _ in _RECORD_START.finditer(buf, max(start - 1, 0)))
 
 
 def _on_disk(directory: Path, kind: str) -> dict[int, str]:

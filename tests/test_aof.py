@@ -60,8 +60,10 @@ def fill(home: Path, rng: random.Random, n: int) -> list[tuple[str, str]]:
     return written
 
 
-def launches(home: Path) -> int:
-    return (data_dir(home) / "valkey.log").read_text().count("Valkey is starting")
+def loads(home: Path) -> int:
+    """How many times a server of ``home`` began loading its AOF (a launch that lost its port to another
+    process fails before that, and may be retried on another port)."""
+    return (data_dir(home) / "valkey.log").read_text().count("Reading RDB base file on AOF loading")
 
 
 # ---- a torn record mid-file ------------------------------------------------------------------------------
@@ -79,19 +81,23 @@ def test_a_torn_record_is_named_and_repair_cuts_to_the_last_good_one(sluice_home
         (d / aof.MANIFEST).write_text((d / aof.MANIFEST).read_text() + "file appendonly.aof.2.incr.aof seq 2 type i\n")
         data = data[:cut]
     # Tear one record in the middle: some of its bytes never reached the disk, the records after it did.
+    # A tear can leave framing that still parses (a value swallowing the next record's first bytes): the
+    # server would load that too, so draw again until Valkey's own checker stops at the torn record.
     starts = [m.start() + 1 for m in re.finditer(rb"\n\*\d+\r\n\$3\r\nSET", data)]
-    torn = rng.choice(starts[len(starts) // 4: 3 * len(starts) // 4])
-    drop = rng.randint(1, 12)
-    at = torn + rng.randint(12, 20)
-    incr.write_bytes(data[:at] + data[at + drop:])
+    for _ in range(100):
+        torn = rng.choice(starts[len(starts) // 4: 3 * len(starts) // 4])
+        at = torn + rng.randint(12, 20)
+        incr.write_bytes(data[:at] + data[at + rng.randint(1, 12):])
+        if check_aof(incr) <= torn:
+            break
     original = {p.name: p.read_bytes() for p in d.iterdir()}
-    before = launches(sluice_home)
+    before = loads(sluice_home)
 
     with pytest.raises(RuntimeError) as e:
         ensure_server(sluice_home)
     msg = str(e.value)
     assert "sluice server repair" in msg and f"{INCR} is damaged at byte" in msg and "\n" not in msg, msg
-    assert launches(sluice_home) == before + 1, "a damaged file is not a taken port: no other launch helps"
+    assert loads(sluice_home) == before + 1, "a damaged file is not a taken port: no other launch helps"
     good = check_aof(incr)
     problem = aof.find_problem(d)
     assert problem is not None and problem.good_up_to == good, (problem, good)
@@ -168,11 +174,11 @@ def test_a_damaged_base_is_said_plainly_after_one_launch(sluice_home: Path) -> N
     data = bytearray(base.read_bytes())
     data[-12] ^= 0xFF  # inside the checksum: the server refuses the file
     base.write_bytes(bytes(data))
-    before = launches(sluice_home)
+    before = loads(sluice_home)
     with pytest.raises(RuntimeError) as e:
         ensure_server(sluice_home)
     assert "restore" in str(e.value) and "the server said:" in str(e.value), e.value
-    assert launches(sluice_home) == before + 1
+    assert loads(sluice_home) == before + 1
     assert "nothing it can mend" in str(e.value) and "sound" in repair("--yes").stderr
 
 
