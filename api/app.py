@@ -56,9 +56,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     registry, requests = make_registry(state.redis)
     app.add_api_route("/metrics", _metrics_route(registry), methods=["GET"], tags=["ops"],
                       response_class=Response, summary="Prometheus metrics")
-    app.middleware("http")(_middleware(requests))
-    s = state.settings  # the gate is outermost: the key and the body's size are checked before anything reads it
+    s = state.settings  # the gate: the key and the body's size are checked before anything reads the body
     app.add_middleware(Gate, key=s.api_key, max_upload=s.max_upload_bytes, max_body=max_line_bytes(s.max_prompt_chars))
+    app.middleware("http")(_middleware(requests))  # outside the gate: its 401s and 413s are counted too
     app.openapi = _openapi_with_400(app)  # type: ignore[method-assign]
     return app
 

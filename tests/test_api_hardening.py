@@ -20,6 +20,7 @@ from helpers import fresh_seed
 from jobs_helpers import wait_for
 
 from api.app import create_app
+from api.metrics import METHODS
 from api.settings import Settings
 from api.validation import max_line_bytes
 from jobs.server import connect, ensure_server, stop_server
@@ -128,19 +129,21 @@ def test_metric_labels_stay_bounded_whatever_the_requests(tmp_path: Path) -> Non
     """Made-up method tokens, paths and ids: the request counter's series stay a handful (a known
     method or ``other``, a route template or ``other``), and every request is still counted."""
     rng = random.Random(fresh_seed())
-    c = TestClient(create_app(settings(tmp_path, api_key=None)))
+    c = TestClient(create_app(settings(tmp_path)))
     n = 400
     for i in range(n):
         method = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(3, 12)))
         path = rng.choice(["/v1/files", f"/v1/files/file-{rng.getrandbits(64):x}", f"/nope/{i}", "/healthz"])
-        c.request(method, path)
-    c.get(f"/v1/files/file-{rng.getrandbits(96):024x}")
+        c.request(method, path, headers={"Authorization": f"Bearer {KEY}"} if rng.random() < 0.5 else {})
+    c.get(f"/v1/files/file-{rng.getrandbits(96):024x}", headers={"Authorization": f"Bearer {KEY}"})
+    c.get("/v1/files")  # no key: refused at the gate, and counted
     series = _request_series(c.get("/metrics").text)
     labels = [dict(re.findall(r'(\w+)="([^"]*)"', s)) for s in series]
-    assert {lab["method"] for lab in labels} <= {"GET", "POST", "DELETE", "other"}, series
+    assert {lab["method"] for lab in labels} <= METHODS | {"other"}, series  # a draw may spell PUT or HEAD
     assert {lab["route"] for lab in labels} <= {"/v1/files", "/v1/files/{file_id}", "/healthz", "other"}, series
-    assert len(series) <= 12, series
-    assert sum(float(s.rsplit(" ", 1)[1]) for s in series) >= n + 1
+    assert {lab["status"] for lab in labels} >= {"401", "404", "405"}, series
+    assert len(series) <= 16, series
+    assert sum(float(s.rsplit(" ", 1)[1]) for s in series) >= n + 2
 
 
 # ---- 8: a read-only job server (a replica after a failover) ---------------------------------------------
