@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
@@ -132,13 +133,14 @@ class Source:
             raise SourceError(f"unknown format {self.format!r}")
 
 
-def open_source(url: str, *, format: str | None = None, split: str | None = None,
+def open_source(url: str | os.PathLike[str], *, format: str | None = None, split: str | None = None,
                 storage_options: dict[str, Any] | None = None) -> Source:
     """Open ``url`` (a path or any fsspec URL); ``format`` is one of FORMATS, else told by the name.
 
     ``split`` picks one split of a saved ``DatasetDict`` or a Hub dataset (default: its only split, or
     ``train``). Raises SourceError (or MissingExtra) with a one-line message.
     """
+    url = os.fspath(url)
     opts = dict(storage_options or {})
     if format is not None and format not in FORMATS:
         raise SourceError(f"unknown format {format!r} (one of {', '.join(FORMATS)})")
@@ -146,12 +148,13 @@ def open_source(url: str, *, format: str | None = None, split: str | None = None
         return Source(url, format or "hub", None, url, split, opts)
     fs, path = url_to_fs(url, opts)
     try:
-        fmt = format or _format_of(fs, path, url)
-    except OSError as e:
-        raise SourceError(f"cannot read {url}: {_one_line(e)}") from None
-    if fmt not in ("saved", "hub") and not fs.exists(path):
-        raise SourceError(f"{url}: no such file")
-    return Source(url, fmt, fs, path, split, opts)
+        if not fs.exists(path):
+            raise SourceError(f"{url}: no such file or directory")
+        return Source(url, format or _format_of(fs, path, url), fs, path, split, opts)
+    except SourceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each filesystem raises its own kinds (network, auth): say which
+        raise SourceError(f"cannot read {url}: {type(e).__name__}: {_one_line(e)}") from None
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:

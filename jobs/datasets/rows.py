@@ -10,6 +10,7 @@ row's sampling; the id column (default: the row number) is the request's custom_
 from __future__ import annotations
 
 import json
+import os
 import string
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ class _Bad(Exception):
         self.message = message
 
 
-def read_requests(source: str | Source, spec: RowSpec | None = None, *,
+def read_requests(source: str | os.PathLike[str] | Source, spec: RowSpec | None = None, *,
                   skip: Container[str] | Callable[[str], bool] | None = None, validate: bool = True,
                   rows: int = 4096) -> Iterator[Request | RowError]:
     """Each row of ``source`` as a Request, or a RowError naming it, in row order.
@@ -98,7 +99,7 @@ def read_requests(source: str | Source, spec: RowSpec | None = None, *,
     column the spec names is missing from a source that has a schema.
     """
     spec = spec or RowSpec()
-    src = open_source(source) if isinstance(source, str) else source
+    src = source if isinstance(source, Source) else open_source(source)
     render = RowRenderer(spec, None if src.format == "jsonl" else src.column_names())
     is_done = skip if callable(skip) else (skip.__contains__ if skip is not None else None)
     seen: set[str] = set()  # only with an id column: row numbers cannot repeat

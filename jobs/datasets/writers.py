@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,12 @@ class ResultsWriter:
     (``read_requests`` makes a repeated id that row's error).
     """
 
-    def __init__(self, output: str, source: str | Source, spec: RowSpec | None = None, *,
+    def __init__(self, output: str | os.PathLike[str], source: str | os.PathLike[str] | Source, spec: RowSpec | None = None, *,
                  format: str | None = None, resume: bool = False, journal: str | Path | None = None,
                  rows: int = DEFAULT_ROWS, embeddings: bool = False, prefix: str = "",
                  storage_options: dict[str, Any] | None = None) -> None:
-        self.output = output
-        self.source = open_source(source) if isinstance(source, str) else source
+        output = self.output = os.fspath(output)
+        self.source = source if isinstance(source, Source) else open_source(source)
         self.spec = spec or RowSpec()
         self.format = format or format_of_name(output) or ""
         if self.format not in OUTPUT_FORMATS:
