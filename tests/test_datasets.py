@@ -186,22 +186,24 @@ def test_rows_that_do_not_render_are_errors_naming_their_row_and_the_rest_run(tm
 def test_row_modes_prompt_messages_jinja_and_raw_prompts(tmp_path: Path) -> None:
     messages = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"},
                  {"role": "user", "content": "more"}] for i in range(4)]
-    rows = [{"q": f"question {i}", "topic": ["cats", "dogs"][i % 2], "msgs": messages[i], "n_words": i + 1}
+    rows = [{"q": f"question {i}", "topic": ["cats", "dogs"][i % 2], "msgs": messages[i], "n": i + 1}
             for i in range(4)]
     src = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), src)
     by_prompt = [job_of(r.line, r.row) for r in read_requests(src, RowSpec(prompt_column="q"))]
     assert [j.messages for j in by_prompt] == [[{"role": "user", "content": r["q"]}] for r in rows]
     assert [j.custom_id for j in by_prompt] == ["0", "1", "2", "3"]  # the row number by default
+    assert [j.params.n for j in by_prompt] == [r["n"] for r in rows]  # a column named like a setting sets it
     raw = [job_of(r.line, r.row) for r in read_requests(src, RowSpec(prompt_column="q", chat=False))]
     assert [(j.kind, j.prompt) for j in raw] == [("completion", r["q"]) for r in rows]
     by_messages = [job_of(r.line, r.row) for r in read_requests(src, RowSpec(messages_column="msgs", system="S"))]
     assert [j.messages for j in by_messages] == [[{"role": "system", "content": "S"}] + m for m in messages]
     tpl = tmp_path / "t.j2"
-    tpl.write_text("Write {{ n_words }} words on {{ topic | upper }}{% if n_words > 2 %}, carefully{% endif %}.")
+    tpl.write_text("Write {{ n }} words on {{ topic | upper }}{% if n > 2 %}, carefully{% endif %}.")
     jinja = [job_of(r.line, r.row) for r in read_requests(src, RowSpec(template_file=str(tpl)))]
+    assert {j.params.n for j in jinja} == {1}  # a column the template reads is not also a setting
     assert [j.messages[0]["content"] for j in jinja] == [
-        f"Write {r['n_words']} words on {r['topic'].upper()}{', carefully' if r['n_words'] > 2 else ''}." for r in rows]
+        f"Write {r['n']} words on {r['topic'].upper()}{', carefully' if r['n'] > 2 else ''}." for r in rows]
     # Messages kept as JSON text (a CSV) work too; a row whose text is not messages is that row's error.
     csv = tmp_path / "m.csv"
     csv.write_text('m\n"[{""role"": ""user"", ""content"": ""hi""}]"\nnot messages\n')
@@ -215,7 +217,7 @@ def test_spec_errors_are_found_before_any_row(tmp_path: Path) -> None:
     pq.write_table(pa.Table.from_pylist([{"text": "x"}]), src)
     with pytest.raises(SpecError, match="no column 'body'"):
         next(read_requests(src, RowSpec(template="{body}")))
-    with pytest.raises(SpecError, match="no column 'prompt'"):
+    with pytest.raises(SpecError, match="no column 'prompt' or 'messages'.*columns: text"):
         next(read_requests(src, RowSpec()))  # neither prompt nor messages, and no spec
     with pytest.raises(SpecError, match="give one of"):
         RowSpec(prompt_column="text", template="{text}")

@@ -150,14 +150,18 @@ class RowRenderer:
     def __init__(self, spec: RowSpec, columns: list[str] | None) -> None:
         self.spec = spec
         if columns is not None:
+            have = f"(columns: {', '.join(columns) or 'none'})"
             lacking = [c for c in spec.columns_used() if c not in columns]
+            if lacking:
+                raise SpecError(f"no column {lacking[0]!r} in the source {have}")
             if not (spec.prompt_column or spec.messages_column or spec.template or spec.template_file) and \
                     "messages" not in columns and "prompt" not in columns:
-                lacking.append("prompt")
-            if lacking:
-                raise SpecError(f"no column {lacking[0]!r} in the source (columns: {', '.join(columns) or 'none'})")
-        self.settings = [] if columns is None else [c for c in columns if c in ROW_SETTINGS]
+                raise SpecError(f"no column 'prompt' or 'messages' in the source {have}: name the prompt or "
+                                "messages column, or give a template")
         self.jinja = _jinja_template(spec.template_file) if spec.template_file else None
+        # A column the text is made of is not also a setting ("Write {n} words" must not ask for n samples).
+        self.used = set(spec.columns_used()) | (_jinja_names(self.jinja) if self.jinja is not None else set())
+        self.settings = None if columns is None else [c for c in columns if c in ROW_SETTINGS and c not in self.used]
 
     def line(self, row: dict[str, Any], n: int, custom_id: str, validate: bool) -> str:
         obj: dict[str, Any] = {"custom_id": custom_id}
@@ -221,9 +225,9 @@ class RowRenderer:
         return messages
 
     def _settings(self, row: dict[str, Any]) -> dict[str, Any]:
-        used = {self.spec.prompt_column, self.spec.messages_column, self.spec.id_column}
-        names = self.settings or [k for k in row if k in ROW_SETTINGS]
-        return {k: row[k] for k in names if k not in used and row.get(k) is not None and row.get(k) != ""}
+        names = self.settings if self.settings is not None else [
+            k for k in row if k in ROW_SETTINGS and k not in self.used]
+        return {k: row[k] for k in names if row.get(k) is not None and row.get(k) != ""}
 
 
 def _value(row: dict[str, Any], col: str) -> Any:
@@ -270,9 +274,18 @@ def _jinja_template(url: str) -> Any:
         raise SpecError(f"template file {url}: {e}") from None
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)
     try:
-        return env.from_string(text)
+        template = env.from_string(text)
+        template.sluice_source = text
+        return template
     except jinja2.TemplateSyntaxError as e:
         raise SpecError(f"template file {url}, line {e.lineno}: {e.message}") from None
+
+
+def _jinja_names(template: Any) -> set[str]:
+    """The variables a Jinja template reads (its source is kept on the template for this)."""
+    import jinja2.meta
+
+    return set(jinja2.meta.find_undeclared_variables(template.environment.parse(template.sluice_source)))
 
 
 def _render_jinja(template: Any, row: dict[str, Any]) -> str:
