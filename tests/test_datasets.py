@@ -30,6 +30,7 @@ from jobs.datasets import (
     RowSpec,
     SourceError,
     SpecError,
+    open_data,
     open_source,
     read_requests,
 )
@@ -240,6 +241,36 @@ def test_a_missing_source_and_an_unreachable_hub_fail_with_one_line(tmp_path: Pa
         with pytest.raises(SourceError) as e:
             list(read_requests(url, RowSpec(prompt_column="text")))
         assert str(e.value).startswith(f"cannot read {url}: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["list", "pandas", "polars", "table", "batch", "dataset"])
+def test_in_memory_data_reads_and_joins_like_a_file(kind: str, tmp_path: Path) -> None:
+    """What the Python API takes: a list of dicts, pandas / polars DataFrames, Arrow, a datasets.Dataset."""
+    rng = random.Random(fresh_seed())
+    rows = make_rows(rng, 45, nulls=True)
+    table = pa.Table.from_pylist(rows)
+    if kind == "list":
+        data: Any = rows
+    elif kind == "pandas":
+        data = table.to_pandas()
+    elif kind == "polars":
+        import polars
+
+        data = polars.from_arrow(table)
+    elif kind == "table":
+        data = table
+    elif kind == "batch":
+        data = table.to_batches()[0]
+    else:
+        import datasets
+
+        data = datasets.Dataset.from_list(rows)
+    source = open_data(data)
+    fed, errors = run_writer(source, str(tmp_path / "out.parquet"), SPEC, rng, rows=10)
+    assert {e.row for e in errors} == {i for i, r in enumerate(rows) if r["text"] is None}
+    check_output(read_output(str(tmp_path / "out.parquet"), "parquet"), rows, fed, errors, SPEC)
+    with pytest.raises(SourceError, match="cannot read a builtins.str as rows"):
+        open_data("not rows")
 
 
 # ---- outputs --------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ from jobs.datasets.extras import MissingExtra, need
 need("pyarrow")
 need("fsspec")
 
-from jobs.datasets.readers import Block, Source, SourceError, open_source  # noqa: E402
+from jobs.datasets.readers import Block, Source, SourceError, open_data, open_source  # noqa: E402
 from jobs.datasets.rows import Request, RowError, RowSpec, SpecError, read_requests  # noqa: E402
 from jobs.datasets.writers import ResultsWriter, WriteSummary  # noqa: E402
 
 __all__ = ["Block", "MissingExtra", "Request", "ResultsWriter", "RowError", "RowSpec", "Source", "SourceError",
-           "SpecError", "WriteSummary", "open_source", "read_requests"]
+           "SpecError", "WriteSummary", "open_data", "open_source", "read_requests"]

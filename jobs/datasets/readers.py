@@ -82,6 +82,7 @@ class Source:
     path: str
     split: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    data: Any = None  # an in-memory source (format "table": a pyarrow Table; "dataset": a datasets.Dataset)
 
     def blocks(self, rows: int = DEFAULT_ROWS) -> Iterator[Block]:
         """The rows in order, ``rows`` at a time (the last block may be shorter)."""
@@ -130,8 +131,11 @@ class Source:
         elif self.format == "csv":
             with fsspec.open(self.url, "rb", compression="infer", **self.storage_options) as fh:
                 yield from _csv_reader(fh, _csv_names(self))
-        elif self.format in ("saved", "hub"):
-            for table in _hf_dataset(self).with_format("arrow").iter(batch_size=rows):
+        elif self.format == "table":
+            yield from self.data.to_batches(max_chunksize=rows)
+        elif self.format in ("saved", "hub", "dataset"):
+            ds = self.data if self.format == "dataset" else _hf_dataset(self)
+            for table in ds.with_format("arrow").iter(batch_size=rows):
                 yield from table.to_batches()
         else:
             raise SourceError(f"unknown format {self.format!r}")
@@ -159,6 +163,31 @@ def open_source(url: str | os.PathLike[str], *, format: str | None = None, split
         raise
     except Exception as e:  # noqa: BLE001 - each filesystem raises its own kinds (network, auth): say which
         raise SourceError(f"cannot read {url}: {type(e).__name__}: {_one_line(e)}") from None
+
+
+def open_data(data: Any) -> Source:
+    """An in-memory source: a list of dicts, a pandas or polars DataFrame, a pyarrow Table or
+    RecordBatch, or a ``datasets.Dataset`` (read as it is stored: memory-mapped, not copied)."""
+    kind = f"{type(data).__module__.split('.')[0]}.{type(data).__name__}"
+    if kind == "datasets.Dataset":
+        return Source(f"<{kind}>", "dataset", None, "", data=data)
+    if isinstance(data, pa.RecordBatch):
+        table = pa.Table.from_batches([data])
+    elif isinstance(data, pa.Table):
+        table = data
+    elif kind == "pandas.DataFrame":
+        table = pa.Table.from_pandas(data, preserve_index=False)
+    elif kind == "polars.DataFrame":
+        table = data.to_arrow()
+    elif isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        try:
+            table = pa.Table.from_pylist(data)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise SourceError(f"the rows' values differ in type between rows ({_one_line(e)})") from None
+    else:
+        raise SourceError(f"cannot read a {kind} as rows: give a list of dicts, a pandas or polars DataFrame, "
+                          "a pyarrow Table or a datasets.Dataset")
+    return Source(f"<{kind}>", "table", None, "", data=table)
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
@@ -231,8 +260,10 @@ def _arrow_schema(src: Source) -> pa.Schema:
         return pa.unify_schemas(schemas)
     if src.format == "csv":
         return pa.schema([(n, pa.string()) for n in _csv_names(src)])
+    if src.format == "table":
+        return src.data.schema
     try:
-        return _hf_dataset(src).features.arrow_schema
+        return (src.data if src.format == "dataset" else _hf_dataset(src)).features.arrow_schema
     except AttributeError:  # a streamed Hub dataset may not know its features before its first rows
         first = next(src.blocks(1), None)
         return first.batch.schema if first is not None and first.batch is not None else pa.schema([])
