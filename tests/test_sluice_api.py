@@ -121,3 +121,71 @@ def test_bad_options_are_clear(llm: Any) -> None:
     with pytest.raises(ValueError, match="no column 'body'"):
         sluice.generate(df, template="{body}", llm=llm)
     assert json.loads(json.dumps(sluice.__all__)) == ["Batch", "generate", "submit"]
+
+
+_KILLED_GENERATE = """
+import sys
+sys.path[:0] = [{root!r}]
+import pyarrow.parquet as pq
+import sluice
+sluice.generate({src!r}, prompt_column="text", id_column="id", model={model!r}, output={out!r}, progress=False,
+                engine_options=dict(dtype="float32", max_num_seqs=4, kv_cache_memory=8 << 20), max_tokens=24)
+"""
+
+
+def test_generate_resumes_after_kill_9_with_every_row_exactly_once(llm: Any, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(fresh_seed())
+    df = frame(rng, 120).drop(columns=["max_tokens"])
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    df.to_parquet(src)
+    root = Path(__file__).resolve().parents[1]
+    script = _KILLED_GENERATE.format(root=str(root), src=str(src), model=str(tiny_model_dir), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    journal = Path(f"{out}.sluice-journal")
+    deadline = time.monotonic() + 300
+    kept: dict[str, Any] = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists():
+            try:
+                with sqlite3.connect(journal) as db:
+                    if db.execute("SELECT COUNT(*) FROM results").fetchone()[0] >= 10:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        break
+            except sqlite3.OperationalError:
+                pass  # the tables are being made
+        time.sleep(0.05)
+    assert proc.wait(60) == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+    with sqlite3.connect(journal) as db:
+        kept = {cid: json.loads(cols) for cid, cols in db.execute("SELECT custom_id, cols FROM results")}
+    assert 10 <= len(kept) < 119, "the run was to be killed part-way"
+
+    ran: list[str] = []
+
+    class Counting:  # the engine, noting which requests the resumed run sends it
+        def __getattr__(self, name: str) -> Any:
+            return getattr(llm, name)
+
+        def generate(self, requests: Any, **kw: Any) -> Any:
+            requests = list(requests)
+            ran.extend(q.request_id for q in requests)
+            return llm.generate(requests, **kw)
+
+    summary = sluice.generate(str(src), prompt_column="text", id_column="id", llm=Counting(), output=str(out),
+                              resume=True, progress=False, max_tokens=24)
+    good = {i for i, t in zip(df["id"], df["text"], strict=True) if not pd.isna(t)}
+    assert sorted(ran) == sorted(good - set(kept))  # the rest, each once; nothing the killed run finished
+    table = pq.read_table(out).to_pandas()
+    assert list(table["id"]) == list(df["id"])  # every row once, in order
+    assert (summary.rows, summary.completed, summary.failed, summary.no_result) == (120, 119, 1, 0)
+    for _, row in table.iterrows():
+        if row["id"] in kept:  # what the killed run finished is kept, not generated again
+            assert row["completion"] == kept[row["id"]]["completion"]
+    assert not journal.exists()
