@@ -471,6 +471,15 @@ def test_rows_left_without_a_result_run_again_on_resume(tmp_path: Path) -> None:
     assert w.close().completed == 30
 
 
+def test_the_output_cannot_be_the_source(tmp_path: Path) -> None:
+    src = write_source(make_rows(random.Random(6), 10), "parquet", tmp_path)
+    before = Path(src).read_bytes()
+    for same in (src, f"file://{src}"):
+        with pytest.raises(SourceError, match="is the source itself"):
+            ResultsWriter(same, src, RowSpec(prompt_column="text"))
+    assert Path(src).read_bytes() == before
+
+
 def test_a_journal_of_another_run_is_refused(tmp_path: Path) -> None:
     src = write_source(make_rows(random.Random(5), 10), "parquet", tmp_path)
     out = str(tmp_path / "out.parquet")

@@ -89,6 +89,9 @@ class ResultsWriter:
         # Arrow outputs need the source's types up front (JSONL: a pass over the file to unify them).
         self.schema = self.source.schema() if self.format != "jsonl" else None
         fs, path = url_to_fs(output, self.storage_options)
+        src = self.source
+        if src.fs is not None and fs.unstrip_protocol(path) == src.fs.unstrip_protocol(src.path):
+            raise SourceError(f"{output} is the source itself: write the results to another file")
         self.journal = Journal(Path(journal) if journal else default_journal(output, fs, path),
                                fresh=not resume)
         self._check_journal(resume, fs, path)
