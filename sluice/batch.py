@@ -116,13 +116,14 @@ class Batch:
 def submit(data: Data, *, model: str | None = None, prompt_column: str | None = None,
            messages_column: str | None = None, template: str | None = None, template_file: str | None = None,
            system: str | None = None, id_column: str | None = None, chat: bool = True, priority: int = 0,
-           metadata: dict[str, str] | None = None, r: redis.Redis | None = None, **sampling: Any) -> Batch:
+           metadata: dict[str, str] | None = None, r: redis.Redis | None = None,
+           storage_options: dict[str, Any] | None = None, **sampling: Any) -> Batch:
     """Queue every row of ``data`` (see ``sluice.generate`` for the row options) on the job server
     (SLUICE_REDIS_URL, or the embedded one); returns the Batch at once, before any result. Rows that
     do not render are not queued: ``Batch.row_errors`` says why, and the joined results carry them."""
     from jobs.server import connect
 
-    source = source_of(data)
+    source = source_of(data, storage_options)
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
     defaults = sampling_defaults(sampling)
     r = r or connect()

@@ -17,9 +17,9 @@ from jobs.schemas import SamplingParams
 Data = Any  # list[dict] | pandas.DataFrame | polars.DataFrame | pyarrow.Table | datasets.Dataset | str | os.PathLike
 
 
-def source_of(data: Data) -> Source:
+def source_of(data: Data, storage_options: dict[str, Any] | None = None) -> Source:
     if isinstance(data, str | os.PathLike):
-        return open_source(data)
+        return open_source(data, storage_options=storage_options)
     return open_data(data)
 
 

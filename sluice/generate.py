@@ -14,7 +14,8 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
              messages_column: str | None = None, template: str | None = None, template_file: str | None = None,
              system: str | None = None, id_column: str | None = None, chat: bool = True,
              output: str | None = None, resume: bool = False, progress: bool = True, llm: Any = None,
-             engine_options: dict[str, Any] | None = None, **sampling: Any) -> Any:
+             engine_options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+             **sampling: Any) -> Any:
     """Generate for every row of ``data``; returns ``data`` with the result columns added (same kind:
     DataFrame, Dataset, list of dicts; a pyarrow Table for a file), or, with ``output`` (a path or fsspec
     URL of a .parquet/.jsonl/.csv file), writes there and returns a WriteSummary.
@@ -24,15 +25,17 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     column. ``system`` leads each chat; ``id_column`` names rows (default: row number). Keyword
     sampling settings (``max_tokens=64, temperature=0.7``) apply to every row; columns named like them
     set their own row's. ``resume`` (with ``output``) skips rows a killed run already wrote.
-    ``llm`` reuses a loaded ``engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options`` (LLM keyword arguments).
+    ``llm`` reuses a loaded ``engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options``
+    (LLM keyword arguments). ``storage_options`` go to fsspec for a URL ``data`` and ``output``
+    (``{"endpoint_url": ...}`` for an S3-compatible store).
     """
     from engine.llm import LLM
     from worker.convert import completion_to_result, job_to_request
 
-    source = source_of(data)
+    source = source_of(data, storage_options)
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
     defaults = sampling_defaults(sampling)
-    with joined(source, spec, output, resume) as (writer, table):
+    with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
         jobs = {}
         for item in read_requests(source, spec, skip=writer.done if resume else None):
             if isinstance(item, RowError):
