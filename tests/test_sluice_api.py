@@ -173,10 +173,9 @@ def test_generate_resumes_after_kill_9_with_every_row_exactly_once(llm: Any, tin
         def __getattr__(self, name: str) -> Any:
             return getattr(llm, name)
 
-        def generate(self, requests: Any, **kw: Any) -> Any:
-            requests = list(requests)
-            ran.extend(q.request_id for q in requests)
-            return llm.generate(requests, **kw)
+        def add_request(self, request: Any) -> None:
+            ran.append(request.request_id)
+            llm.add_request(request)
 
     summary = sluice.generate(str(src), prompt_column="text", id_column="id", llm=Counting(), output=str(out),
                               resume=True, progress=False, max_tokens=24)
@@ -189,3 +188,30 @@ def test_generate_resumes_after_kill_9_with_every_row_exactly_once(llm: Any, tin
         if row["id"] in kept:  # what the killed run finished is kept, not generated again
             assert row["completion"] == kept[row["id"]]["completion"]
     assert not journal.exists()
+
+
+def test_generate_feeds_the_engine_a_window_at_a_time(llm: Any) -> None:
+    """The rows are read as the engine has room: never more than two requests per engine slot wait in
+    it, so a large source is not turned into requests all at once."""
+    from sluice.generate import WINDOW_PER_SEQ
+
+    df = frame(random.Random(fresh_seed()), 90).drop(columns=["max_tokens"])
+    state = {"open": 0, "peak": 0}
+
+    class Watching:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(llm, name)
+
+        def add_request(self, request: Any) -> None:
+            state["open"] += 1
+            state["peak"] = max(state["peak"], state["open"])
+            llm.add_request(request)
+
+        def step(self) -> Any:
+            done = llm.step()
+            state["open"] -= len(done)
+            return done
+
+    out = sluice.generate(df, prompt_column="text", llm=Watching(), progress=False, max_tokens=3)
+    assert out["completion"].notna().sum() == 89 and state["open"] == 0
+    assert state["peak"] == WINDOW_PER_SEQ * llm.config.max_num_seqs < 89

@@ -110,6 +110,20 @@ class Source:
             raise SourceError(f"{self.url}: a column's values differ in type between rows ({_one_line(e)}); "
                               "write JSONL output, or make the column one type") from None
 
+    def num_rows(self) -> int | None:
+        """The row count where it is known without reading the rows (for a progress bar), else None."""
+        if self.format == "table":
+            return int(self.data.num_rows)
+        if self.format == "dataset":
+            return len(self.data)
+        if self.format == "parquet":
+            total = 0
+            for f in _parquet_files(self):
+                with self.fs.open(f, "rb") as fh:
+                    total += pq.ParquetFile(fh).metadata.num_rows
+            return total
+        return None
+
     def column_names(self) -> list[str]:
         """Names without reading data where the format has a schema; JSONL: every key of any row."""
         if self.format != "jsonl":
