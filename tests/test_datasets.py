@@ -8,11 +8,9 @@ import gzip
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,7 @@ from jobs.datasets import (
 from jobs.datasets.results import result_columns
 from jobs.schemas import Job, parse_line
 
-pytest_plugins = ["jobs_fixtures"]  # `r`: the test's own embedded Valkey, for the submit seam
+pytest_plugins = ["jobs_fixtures", "s3_fixtures"]  # `r`: the test's own Valkey; `s3`: a real S3 server
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["river", "lamp", "ünïcode", "{braces}", "quote\"d", "tab\there", "naïve", "42", "line\nbreak", "日本"]
@@ -554,34 +552,6 @@ def test_200k_row_parquet_streams_in_bounded_memory(tmp_path: Path) -> None:
 
 
 # ---- object storage -------------------------------------------------------------------------------
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A real S3-compatible server (moto's server mode on 127.0.0.1) and storage options for it."""
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(k, "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the journal of a remote output
-    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
-    import requests
-    import s3fs
-
-    requests.post(f"{opts['endpoint_url']}/moto-api/reset", timeout=10)  # moto's state is per process
-    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
-    fs.mkdir("sluice-test")
-    try:
-        yield {"opts": opts, "fs": fs}
-    finally:
-        requests.post(f"{opts['endpoint_url']}/moto-api/reset", timeout=10)
-        server.stop()
-
-
 @pytest.mark.parametrize("src_fmt,out_fmt", [("parquet", "parquet"), ("csv", "jsonl"), ("jsonl", "csv")])
 def test_object_storage_input_and_output(s3: dict[str, Any], src_fmt: str, out_fmt: str, tmp_path: Path) -> None:
     rng = random.Random(fresh_seed())

@@ -19,7 +19,7 @@ from jobs.datasets import Request, RowSpec, read_requests
 from jobs.datasets.readers import open_data
 from jobs.schemas import parse_line
 
-pytest_plugins = ["jobs_fixtures"]  # `r`: the test's own embedded Valkey
+pytest_plugins = ["jobs_fixtures", "s3_fixtures"]  # `r`: the test's own Valkey; `s3`: a real S3 server
 
 WORDS = ["river", "lamp", "cloud", "stone", "seven", "blue", "quiet", "north"]
 
@@ -215,3 +215,16 @@ def test_generate_feeds_the_engine_a_window_at_a_time(llm: Any) -> None:
     out = sluice.generate(df, prompt_column="text", llm=Watching(), progress=False, max_tokens=3)
     assert out["completion"].notna().sum() == 89 and state["open"] == 0
     assert state["peak"] == WINDOW_PER_SEQ * llm.config.max_num_seqs < 89
+
+
+def test_generate_from_and_to_object_storage(s3: dict[str, Any], llm: Any, tmp_path: Path) -> None:
+    df = frame(random.Random(fresh_seed()), 10).drop(columns=["max_tokens"])
+    df.to_parquet(tmp_path / "in.parquet")
+    s3["fs"].put(str(tmp_path / "in.parquet"), "s3://sluice-test/in.parquet")
+    summary = sluice.generate("s3://sluice-test/in.parquet", prompt_column="text", id_column="id", llm=llm,
+                              output="s3://sluice-test/out.parquet", storage_options=s3["opts"], progress=False,
+                              max_tokens=3)
+    assert (summary.rows, summary.completed, summary.failed) == (10, 9, 1)
+    with s3["fs"].open("s3://sluice-test/out.parquet", "rb") as f:
+        out = pq.read_table(f).to_pandas()
+    assert list(out["id"]) == list(df["id"]) and list(out["keep"]) == list(df["keep"])
