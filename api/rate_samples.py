@@ -31,8 +31,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class Point:
-    """The rates between two samples, at the later one's time."""
+    """The rates between two samples, over the time from ``t0`` to ``t``."""
 
+    t0: float
     t: float
     jobs_per_s: float
     tokens_per_s: float
@@ -66,5 +67,5 @@ class RateSamples:
 
 
 def points(ring: list[Sample]) -> list[Point]:
-    return [Point(b.t, (b.done - a.done) / (b.t - a.t), (b.tokens - a.tokens) / (b.t - a.t))
+    return [Point(a.t, b.t, (b.done - a.done) / (b.t - a.t), (b.tokens - a.tokens) / (b.t - a.t))
             for a, b in zip(ring, ring[1:], strict=False) if b.t > a.t]

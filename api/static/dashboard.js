@@ -1,0 +1,89 @@
+// The dashboard's only script: keeps the API key in this tab's sessionStorage, fetches the page's
+// fragments with it as a bearer token (never in a URL) and swaps them in every few seconds.
+"use strict";
+
+(() => {
+  const STORE = "sluice-api-key";
+  const $ = (id) => document.getElementById(id);
+  const every = Number(document.body.dataset.refresh) || 3000;
+  const parts = Array.from(document.querySelectorAll("[data-src]"));
+  let timer = null;
+
+  function source(el) {
+    // The list's page comes from this page's ?after=, and nothing else of its URL goes along.
+    const after = new URLSearchParams(location.search).get("after");
+    return el.id === "batches" && after ? `${el.dataset.src}?after=${encodeURIComponent(after)}` : el.dataset.src;
+  }
+
+  function get(url) {
+    const key = sessionStorage.getItem(STORE);
+    return fetch(url, { headers: key ? { Authorization: `Bearer ${key}` } : {}, cache: "no-store",
+                        credentials: "omit" });
+  }
+
+  async function message(answer) {
+    try {
+      return (await answer.json()).error.message;
+    } catch {
+      return `HTTP ${answer.status}`;
+    }
+  }
+
+  function showLogin(error) {
+    clearTimeout(timer);
+    if (error) sessionStorage.removeItem(STORE);
+    parts.forEach((el) => { el.replaceChildren(); });  // nothing read with a key stays on screen
+    $("app").hidden = true;
+    $("logout").hidden = true;
+    $("login").hidden = false;
+    $("login-error").textContent = error;
+    if (error) $("key").focus();
+  }
+
+  function showApp() {
+    $("login").hidden = true;
+    $("app").hidden = false;
+    $("logout").hidden = !sessionStorage.getItem(STORE);
+  }
+
+  async function refresh() {
+    clearTimeout(timer);
+    try {
+      const answers = await Promise.all(parts.map((el) => get(source(el))));
+      if (answers.some((a) => a.status === 401)) {
+        showLogin(sessionStorage.getItem(STORE) ? "That API key was refused: check SLUICE_API_KEY." : "");
+        return;
+      }
+      const problems = [];
+      for (const [i, answer] of answers.entries()) {
+        if ((answer.headers.get("content-type") || "").startsWith("text/html")) {
+          parts[i].innerHTML = await answer.text();  // rendered by the server, escaped there
+        } else {
+          problems.push(await message(answer));
+        }
+      }
+      showApp();
+      const at = new Date().toLocaleTimeString();
+      $("updated").textContent = problems.length ? `Last try ${at}: ${problems.join("; ")}` : `Updated ${at}`;
+    } catch (e) {
+      $("updated").textContent = `The API did not answer (${e.message}); trying again.`;
+    }
+    if (!document.hidden) timer = setTimeout(refresh, every);
+  }
+
+  $("login-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(STORE, $("key").value);
+    $("key").value = "";
+    $("login-error").textContent = "";
+    refresh();
+  });
+  $("logout").addEventListener("click", () => {
+    sessionStorage.removeItem(STORE);
+    showLogin("");
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) refresh();  // polling pauses while the tab is hidden
+  });
+  refresh();
+})();
