@@ -344,7 +344,8 @@ def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env.update(SLUICE_HOME=str(home), SLUICE_API_KEY=KEY)
     log = home.parent / "up.log"
     proc = start_sluice("up", "--model", str(tiny_model_dir), "--dtype", "float32", "--kv-cache-memory", "8MiB",
-                        "--max-num-seqs", "8", "--port", "0", "--grace-period", "5", log=log, env=env)
+                        "--max-num-seqs", "8", "--queue", "tiny", "--port", "0", "--grace-period", "5", log=log,
+                        env=env)
     try:
         yield Up(wait_for_url(proc, log, timeout=180), env)
     finally:
