@@ -62,6 +62,7 @@ _env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), au
                           trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
 _samples_lock = threading.Lock()
 Kind = Literal["output", "errors"]
+KINDS: tuple[Kind, ...] = ("output", "errors")
 
 
 # ---- the pages (no data, no key needed) -------------------------------------------------------------
@@ -107,7 +108,7 @@ def batch_fragment(batch_id: str, request: Request, state: State, r: Redis) -> H
     c = batch.counts
     window = recent_results(r, batch.id, ERROR_WINDOW) if c.done > c.completed else []
     points = _samples(request).observe(batch, now)
-    links = {k: download_url(batch.id, k, state.settings.api_key, now) for k in ("output", "errors")}
+    links = {k: download_url(batch.id, k, state.settings.api_key, now) for k in KINDS}
     return _html("batch.html", t0, b=batch_row(batch, now), batch=batch, speed=speed,
                  eta=duration(speed.eta_s) if speed.eta_s is not None else "–",
                  errors=error_groups(batch, window), window=len(window), links=links,

@@ -37,7 +37,7 @@ from api.dashboard import HEADERS, PAGE_SIZE, download_url
 from api.rate_samples import MIN_GAP, SIZE, RateSamples
 from api.settings import Settings
 from cli.common import EXIT_SOME_FAILED
-from jobs.schemas import Batch, BatchCounts, ResultUsage
+from jobs.schemas import Batch, BatchCounts, BatchStatus, ResultUsage
 from jobs.server import stop_server
 from jobs.store import cancel_batch, count_batches, get_batch
 from jobs.submit import submit
@@ -51,7 +51,7 @@ class Api:
     client: TestClient
     app: Any
 
-    def get(self, path: str, key: str | None = KEY, **kw: Any) -> httpx.Response:
+    def get(self, path: str, key: str | None = KEY, **kw: Any) -> Any:  # the TestClient's response
         return self.client.get(path, headers={"Authorization": f"Bearer {key}"} if key else {}, **kw)
 
 
@@ -148,7 +148,7 @@ def test_download_links_are_signed_not_keyed(api: Api) -> None:
 
 
 # ---- the rate samples -----------------------------------------------------------------------------
-def _batch(done: int, tokens: int, start: float, status: str = "in_progress", ended: float | None = None) -> Batch:
+def _batch(done: int, tokens: int, start: float, status: BatchStatus = "in_progress", ended: float | None = None) -> Batch:
     return Batch(id="batch_x", model="m", status=status, counts=BatchCounts(total=10**9, completed=done),
                  usage=ResultUsage(completion_tokens=tokens), created_at=start, in_progress_at=start,
                  completed_at=ended)
@@ -444,3 +444,21 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
     finally:
         browser.close()
         run_sluice("cancel", bid, env=up.env)
+
+
+def test_without_a_server_key_no_login_and_plain_links(tmp_path: Path) -> None:
+    """A server without SLUICE_API_KEY: the fragments answer without a key (the page skips the login)
+    and download links need no signature."""
+    rng = random.Random(fresh_seed())
+    with sluice_home(tmp_path / "home"):
+        app = create_app(Settings(api_key=None, files_dir=tmp_path / "files"))
+        with TestClient(app) as client:
+            r = app.state.sluice.redis()
+            n = rng.randint(2, 6)
+            batch = submit(io.StringIO(_lines(rng, n, 0)), r=r, model="tiny")
+            cancel_batch(r, batch.id)
+            html = client.get(f"/dashboard/batches/{batch.id}").text
+            assert f'href="/dashboard/batches/{batch.id}/errors.jsonl"' in html
+            got = client.get(f"/dashboard/batches/{batch.id}/errors.jsonl")
+            assert got.status_code == 200 and len(got.text.splitlines()) == n
+            assert client.get("/dashboard/batches/batch_nope/errors.jsonl").status_code == 404
