@@ -48,7 +48,8 @@ PAGE_SIZE = 25  # batches per page of the list
 ERROR_WINDOW = 1000  # the last results read for the error breakdown (never all of them)
 SAMPLES_PER_CODE = 3  # sample lines shown per error code
 REFRESH_MS = 3000  # the page's polling interval
-LINK_TTL = 600  # seconds a signed download link works
+LINK_TTL = 600  # seconds a signed download link works, at least
+LINK_STEP = 300
 CHART_W, CHART_H = 600, 120
 # No inline script or style, nothing from elsewhere: the page works offline and injected markup cannot run.
 HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -142,7 +143,8 @@ def download_url(batch_id: str, kind: Kind, key: str | None, now: float) -> str:
     url = f"/dashboard/batches/{batch_id}/{kind}.jsonl"
     if key is None:
         return url
-    expires = int(now) + LINK_TTL
+    # Rounded up, so a link stays the same over several refreshes (a focused or hovered one stays put).
+    expires = (int(now) // LINK_STEP + 1) * LINK_STEP + LINK_TTL
     return f"{url}?expires={expires}&sig={_sign(key, batch_id, kind, expires)}"
 
 

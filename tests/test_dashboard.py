@@ -397,6 +397,12 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
         queue = browser.js("document.querySelector('#workers td').textContent.trim()")
         assert queue == _status(up, bid)["model"]
 
+        # A refresh keeps keyboard focus where it was.
+        browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').focus()")
+        stamp = browser.js("document.getElementById('updated').textContent")
+        browser.until(f"document.getElementById('updated').textContent !== {json.dumps(stamp)}", "a refresh")
+        assert browser.js("document.activeElement.getAttribute('href')") == f"/batches/{bid}"
+
         before = _status(up, bid)["request_counts"]
         browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').click()")
         browser.until("!!document.getElementById('progress')", "the batch page (its key from sessionStorage)")

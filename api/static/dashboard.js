@@ -29,6 +29,20 @@
     }
   }
 
+  function swap(el, html) {
+    // Rendered by the server, escaped there. Keyboard focus inside stays on the same link or control.
+    const active = el.contains(document.activeElement) ? document.activeElement : null;
+    const href = active && active.getAttribute("href");
+    const find = active && (active.id ? `#${CSS.escape(active.id)}` : href ? `[href="${CSS.escape(href)}"]` : null);
+    el.innerHTML = html;
+    if (find) el.querySelector(find)?.focus();
+  }
+
+  function say(problem) {
+    // A live region: only a change is announced, not every refresh.
+    if ($("problem").textContent !== problem) $("problem").textContent = problem;
+  }
+
   function showLogin(error) {
     clearTimeout(timer);
     if (error) sessionStorage.removeItem(STORE);
@@ -57,16 +71,16 @@
       const problems = [];
       for (const [i, answer] of answers.entries()) {
         if ((answer.headers.get("content-type") || "").startsWith("text/html")) {
-          parts[i].innerHTML = await answer.text();  // rendered by the server, escaped there
+          swap(parts[i], await answer.text());
         } else {
           problems.push(await message(answer));
         }
       }
       showApp();
-      const at = new Date().toLocaleTimeString();
-      $("updated").textContent = problems.length ? `Last try ${at}: ${problems.join("; ")}` : `Updated ${at}`;
+      $("updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
+      say(problems.join("; "));
     } catch (e) {
-      $("updated").textContent = `The API did not answer (${e.message}); trying again.`;
+      say(`The API did not answer (${e.message}); trying again.`);
     }
     if (!document.hidden) timer = setTimeout(refresh, every);
   }
