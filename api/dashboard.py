@@ -129,7 +129,7 @@ def workers_fragment(r: Redis) -> HTMLResponse:
 @router.get("/dashboard/batches/{batch_id}/{kind}.jsonl")
 def download(batch_id: str, kind: Kind, state: State, r: Redis, expires: int = 0, sig: str = "") -> Response:
     key = state.settings.api_key
-    if key is not None and (expires < time.time() or not hmac.compare_digest(sig, _sign(key, batch_id, kind, expires))):
+    if key is not None and not _signed(key, batch_id, kind, expires, sig):
         raise ApiError(401, "This download link is wrong or has expired; reload the dashboard for a fresh one.",
                        code="invalid_link")
     if get_batch(r, batch_id, max_errors=0) is None:
@@ -150,6 +150,11 @@ def download_url(batch_id: str, kind: Kind, key: str | None, now: float) -> str:
 
 def _sign(key: str, batch_id: str, kind: str, expires: int) -> str:
     return hmac.new(key.encode(), f"download\0{batch_id}\0{kind}\0{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def _signed(key: str, batch_id: str, kind: str, expires: int, sig: str) -> bool:
+    # As bytes: compare_digest refuses a str with non-ASCII characters, which a URL can hold.
+    return expires >= time.time() and hmac.compare_digest(sig.encode(), _sign(key, batch_id, kind, expires).encode())
 
 
 def download_lines(r: redis.Redis, batch_id: str, kind: Kind) -> Iterator[str]:

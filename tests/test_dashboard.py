@@ -142,7 +142,7 @@ def test_download_links_are_signed_not_keyed(api: Api) -> None:
     tampered = links["errors"][:-1] + ("0" if links["errors"][-1] != "0" else "1")
     old = download_url(batch.id, "errors", KEY, time.time() - 3600)  # its link lapsed 50 minutes ago
     other = links["errors"].replace("/errors.jsonl", "/output.jsonl")  # a signature is for one file
-    for url in (tampered, old, other, f"/dashboard/batches/{batch.id}/errors.jsonl"):
+    for url in (tampered, old, other, f"/dashboard/batches/{batch.id}/errors.jsonl", links["errors"] + "\u00e9"):
         refused = api.get(url, key=None)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_link", url
 
