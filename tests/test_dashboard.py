@@ -347,7 +347,7 @@ def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                         "--max-num-seqs", "8", "--queue", "tiny", "--port", "0", "--grace-period", "5", log=log,
                         env=env)
     try:
-        yield Up(wait_for_url(proc, log, timeout=180), env)
+        yield Up(wait_for_url(proc, log, timeout=600), env)  # the first start may build the C++ op
     finally:
         stop(proc)
         stop_server(home, kill=True)  # in case a failed test left it
