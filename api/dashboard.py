@@ -40,6 +40,7 @@ from jobs.store import (
     iter_results,
     list_workers,
     page_batches,
+    queue_depth,
     recent_results,
 )
 
@@ -121,8 +122,15 @@ def batch_fragment(batch_id: str, request: Request, state: State, r: Redis) -> H
 def workers_fragment(r: Redis) -> HTMLResponse:
     t0 = time.perf_counter()
     now = time.time()
-    workers = sorted(list_workers(r), key=lambda w: (str(w.get("queue") or "default"), str(w.get("id"))))
-    return _html("workers.html", t0, workers=[worker_row(w, now) for w in workers])
+    workers = [worker_row(w, now) for w in list_workers(r)]
+    workers.sort(key=lambda w: (w["queue"], w["id"]))
+    # Per model, as /metrics exports them: live workers, their running sequences, jobs not yet delivered.
+    models = []
+    for q in sorted({w["queue"] for w in workers}):
+        mine = [w for w in workers if w["queue"] == q]
+        models.append({"queue": q, "workers": len(mine), "running": sum(w["running"] for w in mine),
+                       "queued": queue_depth(r, q)})
+    return _html("workers.html", t0, workers=workers, models=models)
 
 
 # ---- downloads (a signed link: a plain link cannot send the key) ------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from jobs.schemas import Batch
 
-MIN_GAP = 2.0  # seconds between two samples of one batch
+MIN_GAP = 5.0  # seconds between two samples of one batch: results land in bursts, shorter reads as noise
 SIZE = 120  # samples kept per batch
 BATCHES = 64  # batches kept
 

@@ -394,8 +394,10 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
         browser.until(f"!!document.querySelector('#batches tr[data-batch=\"{bid}\"]')", "the batch in the list")
         assert browser.js("sessionStorage.getItem('sluice-api-key')") == KEY
         assert browser.js("document.querySelectorAll('#workers tr[data-worker]').length") == 1
-        queue = browser.js("document.querySelector('#workers td').textContent.trim()")
-        assert queue == _status(up, bid)["model"]
+        queue = browser.js("document.querySelector('#workers tr[data-worker] td').textContent.trim()")
+        assert queue == _status(up, bid)["model"] == "tiny"
+        queued = browser.js("document.querySelector('#workers tr[data-queue=tiny] [data-queued]').textContent")
+        assert 0 < int(queued.replace(",", "")) < total
 
         # A refresh keeps keyboard focus where it was.
         browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').focus()")
@@ -409,7 +411,7 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
         # The chart needs two samples, MIN_GAP apart: a few refreshes of the page (more for the README's).
         steps = 16 if os.environ.get("SLUICE_DASHBOARD_SCREENSHOT") else 2
         browser.until(f"(document.querySelector('#batch polyline') || {{}}).getAttribute?.('points')?.split(' ')"
-                      f".length >= {2 * steps}", "the throughput chart", timeout=30 + 3 * steps)
+                      f".length >= {2 * steps}", "the throughput chart", timeout=30 + 3 * MIN_GAP * steps)
         dom = browser.js("""(() => {
             const p = document.getElementById('progress');
             const count = (k) => Number(document.querySelector(`[data-count=${k}]`).textContent.replace(/,/g, ''));
