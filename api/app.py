@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from api import errors, routes_batches, routes_files, routes_jobs
+from api import dashboard, errors, routes_batches, routes_files, routes_jobs
 from api.gate import Gate
 from api.metrics import make_registry, request_labels
 from api.settings import Settings
@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = [Depends(require_key)]
     for r in (routes_files.router, routes_batches.router, routes_jobs.router):
         app.include_router(r, dependencies=auth)
+    app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"], summary="Health of the API and job server")
