@@ -18,16 +18,17 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import errors, routes_batches, routes_files, routes_jobs
-from api.metrics import make_registry
+from api import dashboard, errors, routes_batches, routes_files, routes_jobs
+from api.gate import Gate
+from api.metrics import make_registry, request_labels
 from api.settings import Settings
 from api.state import AppState, State, require_key
+from api.validation import max_line_bytes
+from jobs.connection import is_cluster
 from jobs.settings import load
 from jobs.store import list_workers
 
-UPLOAD_SLACK = 64 * 1024  # multipart framing around the file's bytes
 FILE_SWEEP_EVERY = 60.0  # seconds between deletions of expired files
 
 
@@ -49,14 +50,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = [Depends(require_key)]
     for r in (routes_files.router, routes_batches.router, routes_jobs.router):
         app.include_router(r, dependencies=auth)
+    app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"], summary="Health of the API and job server")
     registry, requests = make_registry(state.redis)
     app.add_api_route("/metrics", _metrics_route(registry), methods=["GET"], tags=["ops"],
                       response_class=Response, summary="Prometheus metrics")
-    app.middleware("http")(_middleware(state, requests))
-    app.add_middleware(UploadLimit, max_bytes=state.settings.max_upload_bytes + UPLOAD_SLACK)
+    s = state.settings  # the gate: the key and the body's size are checked before anything reads the body
+    app.add_middleware(Gate, key=s.api_key, max_upload=s.max_upload_bytes, max_body=max_line_bytes(s.max_prompt_chars))
+    app.middleware("http")(_middleware(requests))  # outside the gate: its 401s and 413s are counted too
     app.openapi = _openapi_with_400(app)  # type: ignore[method-assign]
     return app
 
@@ -79,11 +82,27 @@ def list_models(state: State) -> dict[str, Any]:
 
 def healthz(state: State) -> JSONResponse:
     try:
-        workers = list_workers(state.redis())
+        r = state.redis()
+        workers = list_workers(r)
+        replica_of = None if is_cluster(r) else _read_only_replica_of(r)
     except (redis.RedisError, OSError, RuntimeError) as e:
         return JSONResponse({"status": "unavailable", "job_server": f"{type(e).__name__}: {e}"}, status_code=503)
     models = sorted({w.get("queue") or "default" for w in workers})
+    if replica_of is not None:
+        # Reads work but nothing can be submitted: unhealthy, so the deployment notices and repoints the API.
+        return JSONResponse({"status": "read_only", "job_server": f"a read-only replica of {replica_of}: "
+                             "submissions answer 503; point SLUICE_REDIS_URL at the primary",
+                             "workers": len(workers), "models": models}, status_code=503)
     return JSONResponse({"status": "ok", "job_server": "ok", "workers": len(workers), "models": models})
+
+
+def _read_only_replica_of(r: redis.Redis) -> str | None:
+    """The primary's address when the job server is a read-only replica (INFO, not CONFIG: managed
+    servers often rename CONFIG away)."""
+    info = r.info("replication")
+    if info.get("role") not in ("slave", "replica") or not int(info.get("slave_read_only", 1)):
+        return None
+    return f"{info.get('master_host')}:{info.get('master_port')}"
 
 
 def _metrics_route(registry: Any) -> Callable[[], Awaitable[Response]]:
@@ -94,69 +113,13 @@ def _metrics_route(registry: Any) -> Callable[[], Awaitable[Response]]:
     return metrics
 
 
-def _middleware(state: AppState, requests: Any) -> Callable[..., Awaitable[Response]]:
+def _middleware(requests: Any) -> Callable[..., Awaitable[Response]]:
     async def middleware(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if _upload_too_large(request, state.settings.max_upload_bytes):
-            # Refused before the body is read: a multipart form is spooled whole before any route runs.
-            return JSONResponse(errors.error_body(413, f"the file is larger than {state.settings.max_upload_bytes} "
-                                                  "bytes", code="file_too_large", param="file"), status_code=413)
         response = await call_next(request)
-        route = request.scope.get("route")
-        requests.labels(request.method, getattr(route, "path", "other"), str(response.status_code)).inc()
+        requests.labels(*request_labels(request.scope, response.status_code)).inc()
         return response
 
     return middleware
-
-
-class UploadLimit:
-    """Counts an upload's bytes as they arrive: chunked transfer has no Content-Length to check first,
-    and a multipart form is spooled to disk whole before any route runs. Past the limit the request
-    is answered 413 at once and nothing more is read."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/files":
-            await self.app(scope, receive, send)
-            return
-        seen = 0
-        over = False
-
-        async def counted() -> Message:
-            nonlocal seen, over
-            if over:
-                return {"type": "http.disconnect"}
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.max_bytes:
-                over = True  # the form parser sees a disconnect; the 413 below is the answer
-                return {"type": "http.disconnect"}
-            return msg
-
-        async def guarded(msg: Message) -> None:
-            if not over:
-                await send(msg)
-
-        try:
-            await self.app(scope, counted, guarded)
-        except Exception:
-            if not over:
-                raise
-        if over:
-            limit = self.max_bytes - UPLOAD_SLACK
-            await JSONResponse(errors.error_body(413, f"the file is larger than {limit} bytes", code="file_too_large",
-                                                 param="file"), status_code=413)(scope, receive, send)
-
-
-def _upload_too_large(request: Request, max_bytes: int) -> bool:
-    if request.method != "POST" or request.url.path != "/v1/files":
-        return False
-    try:
-        return int(request.headers.get("content-length") or 0) > max_bytes + UPLOAD_SLACK
-    except ValueError:
-        return False
 
 
 def _openapi_with_400(app: FastAPI) -> Callable[[], dict[str, Any]]:

@@ -63,6 +63,13 @@ def install(app: FastAPI) -> None:
     async def _full(request: Request, e: JobServerFull) -> JSONResponse:
         return _respond(507, str(e), code="job_server_full", headers={"Retry-After": "60"})
 
+    # A replica (the old primary after a failover, or a URL pointing at one) refuses every write: nothing of
+    # the request was kept, and it is the deployment to fix, not the request. Reads still work.
+    @app.exception_handler(redis.ReadOnlyError)
+    async def _read_only(request: Request, e: redis.ReadOnlyError) -> JSONResponse:
+        return _respond(503, "the job server is a read-only replica (after a failover?): nothing was queued; point "
+                        f"SLUICE_REDIS_URL at the primary: {e}", code="job_server_read_only", headers={"Retry-After": "30"})
+
     # Only an unreachable server is a 503; any other Redis error is a bug and stays a 500.
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)

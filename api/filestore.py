@@ -40,6 +40,10 @@ class TooLarge(Exception):
     pass
 
 
+class DiskFull(Exception):
+    """The files directory refused a write (full, read-only, over quota); nothing of it was kept."""
+
+
 @dataclass
 class StoredFile:
     meta: dict[str, Any]
@@ -78,14 +82,18 @@ class FileStore:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".upload-{uuid.uuid4().hex}"
         size = 0
-        with tmp.open("wb") as out:
-            while chunk := src.read(COPY_CHUNK):
-                size += len(chunk)
-                if size > max_bytes:
-                    out.close()
-                    tmp.unlink(missing_ok=True)
-                    raise TooLarge(f"the file is larger than {max_bytes} bytes")
-                out.write(chunk)
+        try:
+            with tmp.open("wb") as out:
+                while chunk := src.read(COPY_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise TooLarge(f"the file is larger than {max_bytes} bytes")
+                    out.write(chunk)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise DiskFull(f"storing the file failed: {e.strerror or e}") from None
+            raise
         return tmp
 
     def add(self, tmp: Path, filename: str, purpose: str, info: dict[str, Any], ttl: float = UPLOAD_TTL) -> StoredFile:
@@ -98,7 +106,11 @@ class FileStore:
                 "status_details": None, "sluice": {**info, "uploaded_ns": now_ns}}
         path = self.root / f"{file_id}.jsonl"
         tmp.replace(path)
-        _write_atomic(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        try:
+            _write_atomic(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise DiskFull(f"storing the file failed: {e.strerror or e}") from None
         return StoredFile(meta, path)
 
     def get_upload(self, file_id: str) -> StoredFile | None:
@@ -216,5 +228,9 @@ def _all_results(r: redis.Redis, batch_id: str) -> Iterator[Any]:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

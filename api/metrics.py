@@ -17,6 +17,10 @@ from prometheus_client.registry import Collector
 from jobs.store import list_workers, queue_depth
 
 READ_EVERY = 5.0  # seconds a reading of the job plane is reused: scrapes must not each SCAN Redis
+# A label's values must be a set fixed in advance: every new value is a series kept for the process's
+# life, so a method token or a path taken from the request would let any client grow /metrics at will.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER = "other"
 
 
 def _families() -> tuple[GaugeMetricFamily, ...]:
@@ -62,6 +66,15 @@ class JobPlaneCollector(Collector):
             running.add_metric([q], sum(int(w.get("running") or 0) for w in mine))
             depth.add_metric([q], n)
         yield from (live, running, depth)
+
+
+def request_labels(scope: dict[str, Any], status: int) -> tuple[str, str, str]:
+    """A request's ``method``, ``route`` and ``status`` labels, each from a bounded set: a known method
+    or ``other``; the matched route's template (never the raw path) or ``other``; a valid status code."""
+    method = scope.get("method", "")
+    route = getattr(scope.get("route"), "path", None)
+    return (method if method in METHODS else OTHER, route if isinstance(route, str) else OTHER,
+            str(status) if 100 <= status <= 599 else OTHER)
 
 
 def make_registry(get_redis: Callable[[], redis.Redis]) -> tuple[CollectorRegistry, Counter]:

@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, not_found
-from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, TooLarge
+from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, DiskFull, TooLarge
 from api.state import Redis, State
 from api.validation import bounded_lines, max_line_bytes, scan_lines
 
@@ -37,6 +37,8 @@ def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> d
         tmp = state.files.receive(file.file, s.max_upload_bytes)
     except TooLarge as e:
         raise ApiError(413, str(e), code="file_too_large", param="file") from None
+    except DiskFull as e:
+        raise _insufficient_storage(e) from None
     try:
         with tmp.open("rb") as src:
             scan = scan_lines(bounded_lines(src, max_line_bytes(s.max_prompt_chars)), s.max_batch_lines,
@@ -46,7 +48,15 @@ def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> d
         raise
     info = {"lines": scan.lines, "model": scan.model, "endpoint": scan.endpoint,
             "bad_lines": [e.model_dump() for e in scan.errors]}
-    return state.files.add(tmp, file.filename or "input.jsonl", purpose, info, ttl).public()
+    try:
+        return state.files.add(tmp, file.filename or "input.jsonl", purpose, info, ttl).public()
+    except DiskFull as e:
+        raise _insufficient_storage(e) from None
+
+
+def _insufficient_storage(e: DiskFull) -> ApiError:
+    return ApiError(507, f"{e}; nothing was kept: free space on the server's files directory and upload again",
+                    code="insufficient_storage", param="file")
 
 
 @router.get("/v1/files", summary="List uploaded files (newest first unless order=asc)")

@@ -5,9 +5,11 @@ paused and the job server restarts; then every promise is checked.
     python bench/chaos.py --model DIR --jobs 500 --kills 3 --seed 7       # tests/test_chaos.py's scale
 
 During the batch (``--jobs`` jobs, mixed priorities and lengths, ``--workers`` workers on ``--model``):
-kill -9 a random worker ``--kills`` times and restart it, restart the Valkey server once (AOF on,
-kill -9), SIGSTOP one worker for longer than the heartbeat TTL and SIGCONT it, and cancel another
-batch. Afterwards: every job of the batch has exactly one outcome, the counters equal the results
+kill -9 a worker holding jobs ``--kills`` times and restart it, restart the Valkey server once (AOF
+on, kill -9), cancel another batch, and last SIGSTOP a worker holding jobs for longer than the
+heartbeat TTL and SIGCONT it. Each fault lands at a point of the batch's progress (jobs done), and the
+workers are frozen while a holder is chosen, so the run means the same on a fast machine as on a slow
+one. Afterwards: every job of the batch has exactly one outcome, the counters equal the results
 stream, nothing is left pending, nothing was dead-lettered (no job here fails on its own), the batch
 is ``completed`` and the cancelled one ``cancelled``. Prints the seed, and a JSON summary as its last
 line; exits 1 on a broken promise. Uses ``SLUICE_HOME`` (a temporary one if unset).
@@ -80,6 +82,19 @@ class Workers:
                "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory", str(4 << 20)]
         out = open(self.logs / f"{wid}.log", "ab")  # noqa: SIM115 - the child owns it
         self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+
+    def alive(self, wid: str) -> bool:
+        return self.procs[wid].poll() is None
+
+    def freeze(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGSTOP)
+
+    def thaw(self, but: str | None = None) -> None:
+        for wid, p in self.procs.items():
+            if wid != but and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         for p in self.procs.values():
@@ -159,34 +174,43 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
     def at(frac: float) -> None:
         wait_for(lambda: done() >= frac * args.jobs, args.timeout, f"{frac:.0%} of the batch")
 
-    def busy_worker() -> str:
+    def holding_worker() -> str:
+        """A worker holding jobs of the batch, frozen (SIGSTOP) with every other worker, so that no job can
+        finish between choosing it and the fault: the fault lands at this point of the batch's progress
+        however fast the machine runs. The caller thaws them. Raises if the batch finished first."""
         wids = list(workers.procs)
         rng.shuffle(wids)
 
-        def holder() -> str | None:
-            if done() >= args.jobs:  # a fast machine: nothing left to hold, no fault can land any more
-                raise Broken("the batch finished before every fault was injected: give it longer jobs "
-                             "(--min-tokens/--max-tokens) or more of them (--jobs)")
-            return next((w for w in wids if pending_under(r, b.id, w) > 0), None)
+        def frozen_holder() -> str | None:
+            if done() >= args.jobs:
+                raise Broken("the batch finished before every fault was injected")
+            workers.freeze()
+            holder = next((w for w in wids if workers.alive(w) and pending_under(r, b.id, w) > 0), None)
+            if holder is None:  # between two reads (or all starting): let them run a moment and look again
+                workers.thaw()
+            return holder
 
-        return wait_for(holder, args.timeout, "a busy worker")
+        return wait_for(frozen_holder, args.timeout, "a worker holding jobs")
 
     def note(event: str) -> None:
         events.append(f"{time.monotonic() - t0:.1f}s {event}")
         print(events[-1], file=sys.stderr, flush=True)
 
     def kill() -> None:
-        wid = busy_worker()
+        wid = holding_worker()
         workers.procs[wid].kill()
         workers.procs[wid].wait()
         note(f"kill -9 {wid} holding jobs at {done()} done")
+        workers.thaw()
         workers.start(wid)
 
     victim = None
-    plan = ["kill", "cancel", "stop", "kill", "restart_server", "kill"] + ["kill"] * max(0, args.kills - 3)
+    # Each fault at a point of the batch's progress (jobs done), never at a clock time. The SIGSTOP comes
+    # last: while its victim sleeps past the heartbeat TTL the others run on and may finish the batch.
+    plan = ["kill", "cancel", "kill", "restart_server", "kill"] + ["kill"] * max(0, args.kills - 3) + ["stop"]
     steps = len(plan) + 1
     for i, ev in enumerate(plan):
-        at((i + 1) / steps * 0.9)
+        at((i + 1) / steps * 0.8)
         if ev == "kill":
             kill()
         elif ev == "cancel":
@@ -196,12 +220,12 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
             cancel_batch(r, victim.id)
             note(f"cancelled {victim.id} ({args.jobs // 10} jobs)")
         elif ev == "stop":
-            wid = busy_worker()
-            workers.procs[wid].send_signal(signal.SIGSTOP)
+            wid = holding_worker()
+            workers.thaw(but=wid)
             try:
                 time.sleep(HEARTBEAT_TTL * 2 + 1)
             finally:
-                workers.procs[wid].send_signal(signal.SIGCONT)
+                workers.thaw()
             note(f"SIGSTOP {wid} for {HEARTBEAT_TTL * 2 + 1:.0f}s, SIGCONT")
         elif ev == "restart_server":
             stop_server(home, kill=True)

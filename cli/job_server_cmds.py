@@ -1,8 +1,9 @@
-"""``sluice server status|start|stop``: the job server's lifecycle made visible.
+"""``sluice server status|start|stop|repair``: the job server's lifecycle made visible.
 
 Commands that need the job server start the embedded one (in SLUICE_HOME) when SLUICE_REDIS_URL is
 unset and leave it running, so later commands find their batches; these commands show it and stop it.
-An external server (SLUICE_REDIS_URL) can be shown but is not sluice's to start or stop.
+An external server (SLUICE_REDIS_URL) can be shown but is not sluice's to start or stop. ``repair``
+mends an embedded server's append-only file that would not load (``jobs.aof``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cli.common import (
     open_server,
     server_name,
 )
+from jobs import aof
 from jobs.connection import (
     ENV_URL,
     EmbeddedServer,
@@ -116,3 +118,31 @@ def server_stop() -> None:
         click.echo(f"{server_name()}: not running", err=True)
         return
     click.echo(f"stopped the embedded job server (pid {found.pid}); its data stays in {found.home}", err=True)
+
+
+@server_cmd.command("repair")
+@click.option("--yes", is_flag=True, help="Repair without asking.")
+def server_repair(yes: bool) -> None:
+    """Mend the embedded job server's append-only file when it will not load: cut a torn record and what
+    follows it, or list increment files the manifest left out. A copy of the directory is kept first."""
+    _embedded_only("repair")
+    found = find_server()
+    if found is not None:
+        raise UserError(f"the embedded job server is running (pid {found.pid}): its data loaded, nothing to repair")
+    directory = data_dir() / aof.DIRNAME
+    try:
+        problem = aof.find_problem(directory)
+        if problem is None:
+            click.echo(f"the append-only file in {directory} is sound: nothing to repair", err=True)
+            return
+        click.echo(problem.describe(), err=True)
+        if not yes and not click.confirm("Repair it now?", err=True):
+            raise UserError("nothing was changed")
+        fixed, backup = aof.repair(directory)
+    except (aof.AofUnrepairable, OSError) as e:
+        raise UserError(f"cannot repair {directory}: {e}") from None
+    for p in fixed:
+        done = (f"listed {', '.join(p.unlisted)} again" if p.kind == "unlisted" else
+                f"cut {p.file} to {p.good_up_to} bytes" + (f", dropped {', '.join(p.later)}" if p.later else ""))
+        click.echo(f"repaired: {done}", err=True)
+    click.echo(f"the directory as it was is kept in {backup}; `sluice server start` starts the server", err=True)

@@ -1,46 +1,14 @@
-"""How fast a batch goes and when it will be done, from its last few results (never all of them)."""
+"""How a batch's progress reads in a terminal; the rates themselves are ``jobs.rates``'s (the dashboard's too)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from datetime import datetime
 
-from jobs.schemas import Batch, Result
+from jobs.rates import Rates, duration, rates
+from jobs.schemas import Batch
 
-
-@dataclass
-class Rates:
-    requests_per_s: float | None = None
-    tokens_per_s: float | None = None
-    eta_s: float | None = None
-
-
-def rates(batch: Batch, recent: list[Result], now: float | None = None) -> Rates:
-    """Rates over the span of ``recent`` (the batch's last results); while the batch runs the span
-    reaches to now, so a stalled batch shows its rates falling rather than frozen."""
-    times = [r.timings.finished for r in recent if r.timings.finished]
-    if not times:
-        return Rates()
-    start = min(times)
-    end = max(times) if batch.is_final else max(now if now is not None else time.time(), max(times))
-    span = end - start
-    if span <= 0:
-        return Rates()
-    rps = (len(times) - 1) / span if len(times) > 1 else None
-    tps = sum(r.usage.completion_tokens for r in recent if r.timings.finished and r.timings.finished > start) / span
-    left = batch.counts.total - batch.counts.done
-    eta = left / rps if rps and not batch.is_final else None
-    return Rates(rps, tps, eta)
-
-
-def duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+__all__ = ["Rates", "duration", "rates", "status_text", "when"]
 
 
 def when(ts: float | None, now: float) -> str:

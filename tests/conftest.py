@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 
 # Triton kernels run under the interpreter on CPU; this must be set before any kernel is imported.
@@ -54,3 +55,17 @@ def no_server_in_the_session_home() -> Iterator[None]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer GQA Llama with random weights and SmolLM2's tokenizer, saved as a local directory."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MB filesystem (tmpfs), so a full disk is the kernel's ENOSPC, not a fake."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root): no real full disk to test against")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

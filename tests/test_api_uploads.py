@@ -4,6 +4,7 @@ line is refused before it is parsed whole (issue 11, item 8). In-process, no job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,3 +69,23 @@ def test_one_huge_line_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     huge = json.dumps({"prompt": "x" * (3 << 20)}).encode()
     r = c.post("/v1/files", files={"file": ("f.jsonl", huge)}, data={"purpose": "batch"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "line_too_long" and r.json()["error"]["line"] == 1
+
+
+def test_an_upload_to_a_full_disk_is_507_and_leaves_nothing(small_disk: Path) -> None:
+    """The files directory on a real filesystem with no room left: OpenAI's error shape with 507, and no
+    temporary file behind (it had been a bare 500 with the partial upload left on disk)."""
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        f.write(b"\0" * (8 << 20))  # stops at ENOSPC
+    settings = Settings(api_key=None, max_upload_bytes=64 << 20, files_dir=small_disk,
+                        redis_url="redis://127.0.0.1:1/0")
+    api = TestClient(create_app(settings))
+    body = "".join(json.dumps({"custom_id": f"q{i}", "prompt": "hello " * 20}) + "\n" for i in range(2000))
+    reply = api.post("/v1/files", files={"file": ("in.jsonl", body.encode())}, data={"purpose": "batch"})
+    assert reply.status_code == 507, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "insufficient_storage" and "nothing was kept" in error["message"]
+    assert [p.name for p in small_disk.iterdir()] == ["filler"]
+    filler.unlink()  # with room again, the same upload is stored
+    again = api.post("/v1/files", files={"file": ("in.jsonl", body.encode())}, data={"purpose": "batch"})
+    assert again.status_code == 200, again.text

@@ -5,6 +5,7 @@ and Redis memory stays bounded. The 200,000-job run is ``bench/queue_throughput.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import random
@@ -161,3 +162,31 @@ def test_a_spiller_that_died_or_lost_the_race_changes_nothing(r: redis.Redis, tm
     rest = read_results(r, b.id, page.cursor, 10_000).results
     assert [x.idx for x in page.results] + [x.idx for x in rest] == whole
     assert [x.idx for x in read_results(r, b.id, ends[0], 10_000).results] == whole[2900:]
+
+
+def test_a_full_disk_leaves_nothing_behind_and_spills_once_it_has_room(r: redis.Redis, small_disk: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills: every result stays readable in Redis, no half-written chunk is left, no retry
+    rewrites the chunk before its backoff, and the batch, finished meanwhile, is spilled once the disk
+    has room, without another result of it ever arriving."""
+    rng = random.Random(fresh_seed())
+    monkeypatch.setenv("SLUICE_FILES_DIR", str(small_disk))
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        with contextlib.suppress(OSError):
+            f.write(b"\0" * (8 << 20))  # stops at ENOSPC
+    n, at = 3000, 500
+    b = submit(lines(n), r=r, model="full")
+    sp = Spill(small_disk, at)
+    assert drain(r, "full", Writer(sp), rng) == n
+    assert get_batch(r, b.id).status == "completed" and r.xlen(keys.results(b.id)) == n
+    assert [p.name for p in small_disk.rglob("*") if p.is_file()] == ["filler"]  # no temp file left
+    assert sp.owed == {b.id} and sp.backoff == 1.0
+    assert sp.spill_owed(r, Scripts(r)) == 0 and sp.backoff == 1.0  # waits out its backoff: no write tried
+    filler.unlink()
+    sp.retry_at = 0.0  # the backoff has passed
+    moved = 0
+    while sp.owed:
+        moved += sp.spill_owed(r, Scripts(r))
+    assert moved == n - spill.KEEP and r.xlen(keys.results(b.id)) == spill.KEEP and sp.backoff == 0.0
+    assert sorted(x.idx for x in read_results(r, b.id, "0", n + 1).results) == list(range(n))

@@ -1,0 +1,144 @@
+"""``sluice.submit`` and ``sluice.Batch``: rows queued on the job server, watched, waited for, and read
+back joined to their source rows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from jobs.datasets import RowError, RowSpec, Source, WriteSummary, read_requests
+from jobs.schemas import Batch as BatchStatus
+from jobs.store import cancel_batch, get_batch, get_line_errors, output_lines
+from jobs.submit import submit as submit_lines
+from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
+
+
+class Batch:
+    """A batch on the job server, with the rows it came from.
+
+    ``status()`` is its state now; ``wait()`` blocks until it ends (a progress bar by default);
+    ``results()`` yields OpenAI batch output lines as they land; ``to_arrow()`` / ``to_pandas()`` /
+    ``to_polars()`` / ``to_dataset()`` / ``write(url)`` wait, then give every source row with its result
+    columns. The source is read again for the join, so keep a file in place (or the data alive).
+    """
+
+    def __init__(self, batch_id: str, source: Source, spec: RowSpec, row_errors: list[RowError],
+                 r: redis.Redis, data: Data = None) -> None:
+        self.id = batch_id
+        self.source = source
+        self.spec = spec
+        self.row_errors = row_errors  # rows that were not queued (they did not render), with why
+        self.r = r
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"sluice.Batch({self.id!r})"
+
+    def status(self) -> BatchStatus:
+        batch = get_batch(self.r, self.id)
+        if batch is None:
+            raise LookupError(f"batch {self.id} is gone from the job server (deleted or expired)")
+        return batch
+
+    def wait(self, timeout: float | None = None, progress: bool = True, poll: float = 0.5) -> BatchStatus:
+        """Block until the batch ends (completed, failed, expired or cancelled); TimeoutError after
+        ``timeout`` seconds."""
+        from tqdm import tqdm
+
+        start = time.monotonic()
+        batch = self.status()
+        bar = tqdm(total=batch.counts.total, unit="req", desc=self.id, disable=not progress)
+        try:
+            while True:
+                bar.total = batch.counts.total
+                bar.update(batch.counts.done - bar.n)
+                if batch.is_final:
+                    return batch
+                if timeout is not None and time.monotonic() - start > timeout:
+                    raise TimeoutError(f"batch {self.id} still {batch.status} after {timeout:g} s")
+                time.sleep(poll)
+                batch = self.status()
+        finally:
+            bar.close()
+
+    def results(self, follow: bool = False) -> Iterator[dict[str, Any]]:
+        """OpenAI batch output lines in completion order; ``follow`` waits for more until it ends."""
+        return output_lines(self.r, self.id, follow=follow)
+
+    def cancel(self) -> BatchStatus:
+        cancel_batch(self.r, self.id)
+        return self.status()
+
+    def write(self, output: str, *, timeout: float | None = None, progress: bool = True,
+              **writer: Any) -> WriteSummary:
+        """Wait, then write every source row with its result columns to ``output`` (.parquet, .jsonl,
+        .csv; any fsspec URL)."""
+        self.wait(timeout, progress)
+        with joined(self.source, self.spec, output, **writer) as (w, _):
+            self._feed(w)
+            return w.close()
+
+    def to_arrow(self, *, timeout: float | None = None, progress: bool = True) -> Any:
+        """Wait, then every source row with its result columns, as a pyarrow Table."""
+        self.wait(timeout, progress)
+        with joined(self.source, self.spec, None) as (w, table):
+            self._feed(w)
+            w.close()
+            return table()
+
+    def to_pandas(self, **kw: Any) -> Any:
+        return self.to_arrow(**kw).to_pandas()
+
+    def to_polars(self, **kw: Any) -> Any:
+        import polars
+
+        return polars.from_arrow(self.to_arrow(**kw))
+
+    def to_dataset(self, **kw: Any) -> Any:
+        import datasets
+
+        return datasets.Dataset(self.to_arrow(**kw))
+
+    def to_data(self, **kw: Any) -> Any:
+        """The results in the kind of data submitted (a DataFrame for a DataFrame, ...)."""
+        return like(self.to_arrow(**kw), self._data)
+
+    def _feed(self, w: Any) -> None:
+        for e in self.row_errors:
+            w.add_error(e)
+        for line in output_lines(self.r, self.id):
+            w.add(line)
+
+
+def submit(data: Data, *, model: str | None = None, prompt_column: str | None = None,
+           messages_column: str | None = None, template: str | None = None, template_file: str | None = None,
+           system: str | None = None, id_column: str | None = None, chat: bool = True, priority: int = 0,
+           metadata: dict[str, str] | None = None, r: redis.Redis | None = None,
+           storage_options: dict[str, Any] | None = None, **sampling: Any) -> Batch:
+    """Queue every row of ``data`` (see ``sluice.generate`` for the row options) on the job server
+    (SLUICE_REDIS_URL, or the embedded one); returns the Batch at once, before any result. Rows that
+    do not render are not queued: ``Batch.row_errors`` says why, and the joined results carry them."""
+    from jobs.connection import connect
+
+    source = source_of(data, storage_options)
+    spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
+    defaults = sampling_defaults(sampling)
+    r = r or connect()
+    row_errors: list[RowError] = []
+
+    def lines() -> Iterator[str]:
+        for item in read_requests(source, spec):
+            if isinstance(item, RowError):
+                row_errors.append(item)
+                yield ""  # a blank line keeps the batch's line numbers at row numbers + 1
+            else:
+                yield item.line
+
+    batch = submit_lines(lines(), r=r, model=model, defaults=defaults, priority=priority, metadata=metadata,
+                         input_name=source.url)
+    # Lines submit itself refused (a row's settings with the defaults): line n is row n - 1.
+    row_errors += [RowError(e.line - 1, None, e.code, e.message) for e in get_line_errors(r, batch.id)]
+    return Batch(batch.id, source, spec, row_errors, r, data)
