@@ -44,6 +44,7 @@ import logging
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -137,8 +138,11 @@ def fake_outcome(d: Any, rng: Any) -> Any:
                    d.entry_id)
 
 
-def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flush: Any = None) -> int:
-    """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer."""
+def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flush: Any = None,
+          spill: Any = None) -> int:
+    """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer, and
+    move results to files after each flush as the worker's upkeep thread does (``spill``: a Spill).
+    A disk that refuses is noted, as the worker notes it; its results stay in Redis."""
     from jobs.consumer import commands as consumer
     from jobs.scripts import Scripts
 
@@ -149,7 +153,13 @@ def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flu
             return done
         for d in got.deliveries:
             writer.add(fake_outcome(d, rng))
-        done += len(writer.flush(r, scripts, time.time()))
+        written = writer.flush(r, scripts, time.time())
+        done += len(written)
+        if spill is not None:
+            try:
+                spill.after_write(r, scripts, {w.outcome.batch_id for w in written if w.fresh})
+            except OSError as e:
+                print(f"spill refused: {e}", file=sys.stderr)
         if after_flush is not None:
             after_flush()
 
@@ -230,8 +240,8 @@ def bench_spill(n: int, spill_at: int, cluster: bool, seed: int = 0) -> dict[str
             peak["memory"] = max(peak["memory"], srv.used_memory())
 
         t = time.perf_counter()
-        assert drain(srv.r, "bench-spill", Writer(Spill(files, spill_at)), random.Random(seed),
-                     after_flush=sample) == n
+        assert drain(srv.r, "bench-spill", Writer(), random.Random(seed), after_flush=sample,
+                     spill=Spill(files, spill_at)) == n
         drain_s = time.perf_counter() - t
         stored = srv.used_memory()
         t, cursor, seen = time.perf_counter(), "0", set()

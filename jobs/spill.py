@@ -78,7 +78,7 @@ class Spill:
                 self.owed.discard(bid)  # spilled enough, or deleted meanwhile
                 continue
             try:
-                moved += spill(r, scripts, self.files_dir, bid)
+                moved += spill(r, scripts, self.files_dir, bid, KEEP)
             except OSError:
                 self.backoff = min(max(2 * self.backoff, 1.0), RETRY_MAX)
                 self.retry_at = time.monotonic() + self.backoff

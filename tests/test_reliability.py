@@ -21,7 +21,7 @@ from jobs import keys
 from jobs.housekeeping import housekeep
 from jobs.lines import LineError, parse_line
 from jobs.scripts import Scripts, requeue
-from jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth
+from jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth, read_results
 from jobs.submit import _Submission, submit
 
 pytest_plugins = ["jobs_fixtures"]
@@ -373,3 +373,63 @@ def test_a_line_that_is_not_utf8_is_a_bad_line_in_celery_and_cli_reads(r: redis.
     b = submit(_read(f), r=r, model="q")
     assert (b.counts.total, b.counts.invalid) == (2, 1)
     assert (b.errors[0].line, b.errors[0].code) == (2, "invalid_encoding")
+
+
+# ---- a slow disk or a long housekeeping pass does not hold up outcome writes (issue 21, item 4) -----
+class Stall:
+    """An injected fault that holds whichever thread reaches it until the test lets go (at most
+    ``limit`` seconds): an fsync on a dying disk, a housekeeping pass over thousands of batches."""
+
+    def __init__(self, limit: float = 180.0) -> None:
+        self.reached, self.released, self.limit = threading.Event(), threading.Event(), limit
+
+    def hold(self) -> None:
+        self.reached.set()
+        self.released.wait(self.limit)
+
+
+def _writes_through_a_stall(r: redis.Redis, model_dir: Path, stall: Stall, **opts: Any) -> None:
+    """A batch runs while the fault holds its thread: every result is written while it is still held."""
+    n = 24
+    b = submit(prompt_lines(n, random.Random(fresh_seed()), max_tokens=2), r=r, model="tiny")
+    w = ThreadWorker(tiny(model_dir), **opts)
+    try:
+        assert stall.reached.wait(120), "the fault was never reached"
+        wait_for(lambda: final(r, b.id), 120, "every result written while the fault holds its thread")
+        assert not stall.released.is_set()
+    finally:
+        stall.released.set()
+        w.join(timeout=60)
+    # Some results may be in files by now: read them as a user would (files, then the stream).
+    got = read_results(r, b.id, "0", n + 1).results
+    assert sorted(x.idx for x in got) == list(range(n)) and get_batch(r, b.id).counts.completed == n
+
+
+def test_a_long_housekeeping_pass_does_not_hold_up_writes(r: redis.Redis, tiny_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass over thousands of open batches takes seconds (8,000: 2.3 s measured); held here."""
+    from jobs.consumer import upkeep
+
+    stall = Stall()
+    monkeypatch.setattr(upkeep, "housekeep_if_due", lambda *a, **kw: stall.hold())
+    _writes_through_a_stall(r, tiny_model_dir, stall, housekeeping_interval=0.1)
+
+
+def test_a_results_disk_whose_fsync_stalls_does_not_hold_up_writes(r: redis.Redis, tiny_model_dir: Path,
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results spill to files after every result; the disk's fsync hangs until the test lets go."""
+    from jobs import spill
+
+    monkeypatch.setenv("SLUICE_FILES_DIR", str(tmp_path / "files"))
+    monkeypatch.setenv("SLUICE_RESULTS_SPILL", "1")
+    monkeypatch.setattr(spill, "KEEP", 1)
+    stall = Stall()
+    real_fsync = spill.os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        stall.hold()
+        real_fsync(fd)
+
+    monkeypatch.setattr(spill.os, "fsync", slow_fsync)
+    _writes_through_a_stall(r, tiny_model_dir, stall)

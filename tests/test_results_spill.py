@@ -77,8 +77,7 @@ def test_spilled_results_come_back_once_each_across_the_boundary(r: redis.Redis,
         peak = max(peak, r.xlen(keys.results(b.id)))
         read_a_page()
 
-    writer = Writer(Spill(files, at))
-    assert drain(r, "spill", writer, rng, after_flush=after_flush) == n
+    assert drain(r, "spill", Writer(), rng, after_flush=after_flush, spill=Spill(files, at)) == n
     assert get_batch(r, b.id).status == "completed"
     end = used_memory(r)
     while True:
@@ -122,7 +121,7 @@ def test_spill_on_a_cluster(cr: redis.Redis, cluster: LocalCluster, tmp_path: Pa
     files = tmp_path / "files"
     monkeypatch.setenv("SLUICE_FILES_DIR", str(files))
     batches = [submit(lines(1500), r=cr, model="spill") for _ in range(3)]
-    assert drain(cr, "spill", Writer(Spill(files, 300)), rng) == 4500
+    assert drain(cr, "spill", Writer(), rng, spill=Spill(files, 300)) == 4500
     for b in batches:
         assert get_batch(cr, b.id).status == "completed"
         assert cr.llen(keys.spill_chunks(b.id)) >= 1
@@ -143,7 +142,7 @@ def test_a_spiller_that_died_or_lost_the_race_changes_nothing(r: redis.Redis, tm
     files = tmp_path / "files"
     monkeypatch.setenv("SLUICE_FILES_DIR", str(files))
     b = submit(lines(3000), r=r, model="race")
-    assert drain(r, "race", Writer(spill=None), rng) == 3000  # SLUICE_RESULTS_SPILL unset: nothing moves
+    assert drain(r, "race", Writer(), rng) == 3000  # SLUICE_RESULTS_SPILL unset: nothing moves
     assert r.xlen(keys.results(b.id)) == 3000 and not r.exists(keys.spill_chunks(b.id))
     entries = r.xrange(keys.results(b.id), "-", "+", count=500)
     dead = spill.chunk_path(files, b.id, 0, entries[-1][0])
@@ -178,7 +177,7 @@ def test_a_full_disk_leaves_nothing_behind_and_spills_once_it_has_room(r: redis.
     n, at = 3000, 500
     b = submit(lines(n), r=r, model="full")
     sp = Spill(small_disk, at)
-    assert drain(r, "full", Writer(sp), rng) == n
+    assert drain(r, "full", Writer(), rng, spill=sp) == n
     assert get_batch(r, b.id).status == "completed" and r.xlen(keys.results(b.id)) == n
     assert [p.name for p in small_disk.rglob("*") if p.is_file()] == ["filler"]  # no temp file left
     assert sp.owed == {b.id} and sp.backoff == 1.0

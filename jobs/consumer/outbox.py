@@ -21,7 +21,6 @@ import redis
 from jobs.consumer.commands import Outcome, batch_exists, record
 from jobs.pipes import NodePipes
 from jobs.scripts import Scripts
-from jobs.spill import Spill
 from jobs.store import retire_batch
 
 log = logging.getLogger(__name__)
@@ -48,11 +47,9 @@ class WriteHeld(Exception):
 class Writer:
     """Filled by the step loop, flushed by one background thread."""
 
-    def __init__(self, spill: Spill | None = None) -> None:
+    def __init__(self) -> None:
         self.outbox: deque[Outcome] = deque()
         self._lock = threading.Lock()  # a deque must not change while a chunk is copied out of it
-        # Results moved to files once a batch holds too many in Redis (SLUICE_RESULTS_SPILL).
-        self.spill = spill if spill is not None else Spill.from_settings()
 
     def add(self, outcome: Outcome) -> None:
         with self._lock:
@@ -87,16 +84,7 @@ class Writer:
         if kept:
             o, e = kept[0]
             raise WriteHeld(f"{len(kept)} outcomes held, e.g. {o.batch_id}:{o.idx}: {type(e).__name__}: {e}")
-        if self.spill is not None and written:
-            self._spill(r, scripts, {w.outcome.batch_id for w in written if w.fresh})
         return written
-
-    def _spill(self, r: redis.Redis, scripts: Scripts, batch_ids: set[str]) -> None:
-        assert self.spill is not None
-        try:
-            self.spill.after_write(r, scripts, batch_ids)
-        except (*REDIS_DOWN, redis.RedisError) as e:  # OSError included: the results stay in Redis meanwhile
-            log.warning("moving results to %s failed (retried after the next write): %s", self.spill.files_dir, e)
 
     def _settle(self, r: redis.Redis, chunk: list[Outcome], replies: list[object], now: float,
                 kept: list[tuple[Outcome, Exception]]) -> list[Written]:

@@ -1,8 +1,8 @@
 """One worker's seat at a queue: everything a consumer does in Redis, behind a handful of verbs.
 
 ``ConsumerSession`` owns the connection (and its Redis-down guard), the worker's identity and
-heartbeat, the cancel feed, the outbox and the thread that writes it, the cached list of ready
-streams, and the screening of what it hands out. The worker (worker/) calls only its verbs and
+heartbeat, the cancel feed, the outbox and the thread that writes it, the upkeep thread (spills,
+housekeeping), the cached list of ready streams, and the screening of what it hands out. The worker (worker/) calls only its verbs and
 knows no Redis:
 
     take(n, held)          jobs to run (orphans claimed when due, new ones read; the ones that must
@@ -38,15 +38,15 @@ from jobs.consumer.heartbeat import Heartbeat
 from jobs.consumer.identity import take_identity
 from jobs.consumer.link import Link
 from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
-from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
+from jobs.consumer.upkeep import Upkeep
+from jobs.housekeeping import RESULTS_TTL
 from jobs.schemas import Result
-from jobs.store import queue_depth, served_queues
+from jobs.store import served_queues
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STREAMS_REFRESH = 1.0  # seconds a queue's list of ready streams is reused
-DEPTH_EVERY = 2.0  # seconds between queue-depth readings for the metrics
 HELD_BACKOFF_MAX = 5.0  # seconds between retries of outcomes that got an error reply
 FLUSH_AFTER_GRACE = 10.0  # seconds a closing session waits for its writer thread
 
@@ -97,7 +97,8 @@ class ConsumerSession:
                    if register else worker_id)
         self.outbox = Writer()
         self.stats = SessionStats()
-        self.queue_depth: int | None = None
+        self.upkeep = Upkeep(self.link, queue, self.id, self._guard, lambda: self.draining,
+                             settings.housekeeping_interval, settings.results_ttl)
         self.cancel_feed = CancelFeed(self.link, queue, REDIS_DOWN)
         self.heartbeat = Heartbeat(self.link, self.id, lambda: self._beat(self.id), settings.heartbeat_ttl,
                                    settings.stall_after, REDIS_DOWN)
@@ -118,12 +119,14 @@ class ConsumerSession:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """The heartbeat, the cancel feed and the writer, each on its own thread, so a step never waits
-        on Redis and a long step does not look like a dead worker."""
+        """The heartbeat, the cancel feed, the writer and the upkeep, each on its own thread, so a step
+        never waits on Redis, a long step does not look like a dead worker, and a slow disk or a long
+        housekeeping pass does not hold up the writes."""
         self._started = True
         self.heartbeat.start()
         self.cancel_feed.start()
         self._writer.start()
+        self.upkeep.start()
 
     def tick(self) -> None:
         """The step loop is alive; write what it finished."""
@@ -136,6 +139,7 @@ class ConsumerSession:
             self._stop.set()
             self._wake.set()
             self._writer.join(timeout=FLUSH_AFTER_GRACE)
+            self.upkeep.stop(FLUSH_AFTER_GRACE)
             self.cancel_feed.stop(FLUSH_AFTER_GRACE)
             self.heartbeat.stop()
             # Gone at once, so other workers may claim what we still held without waiting out the TTL.
@@ -149,6 +153,10 @@ class ConsumerSession:
     @property
     def pending_writes(self) -> int:
         return len(self.outbox)
+
+    @property
+    def queue_depth(self) -> int | None:
+        return self.upkeep.queue_depth
 
     # ---- verbs -----------------------------------------------------------------------------------
     def take(self, n: int, held: set[str]) -> list[Delivery]:
@@ -312,8 +320,7 @@ class ConsumerSession:
         return out
 
     def _write_loop(self) -> None:
-        """Write outcomes as they come, and the periodic upkeep; until stopped with nothing left to write."""
-        housekeeping_at = depth_at = 0.0
+        """Write outcomes as they come; until stopped with nothing left to write."""
         while True:
             self._wake.wait(0.05)
             self._wake.clear()
@@ -321,13 +328,6 @@ class ConsumerSession:
             try:
                 if len(self.outbox):
                     self._guard(self._flush)
-                now = time.monotonic()
-                if not stopping and not self.draining and now >= housekeeping_at:
-                    housekeeping_at = now + self.s.housekeeping_interval
-                    self._guard(self._housekeep)
-                if not stopping and now >= depth_at:
-                    depth_at = now + DEPTH_EVERY
-                    self.queue_depth = self._guard(queue_depth, self.link.r, self.queue)
             except WriteHeld as e:
                 # Redis answered but refused (full, read-only, ...): keep the results and retry.
                 self._held_backoff = min(max(2 * self._held_backoff, 0.1), HELD_BACKOFF_MAX)
@@ -340,10 +340,9 @@ class ConsumerSession:
             if stopping:
                 return
 
-    def _housekeep(self) -> None:
-        housekeep_if_due(self.link.r, self.id, self.s.housekeeping_interval, results_ttl=self.s.results_ttl)
-
     def _flush(self) -> None:
-        for w in self.outbox.flush(self.link.r, self.link.scripts, time.time()):
+        written = self.outbox.flush(self.link.r, self.link.scripts, time.time())
+        for w in written:
             if w.fresh:
                 setattr(self.stats, w.outcome.status, getattr(self.stats, w.outcome.status) + 1)
+        self.upkeep.wrote({w.outcome.batch_id for w in written if w.fresh})
