@@ -60,7 +60,7 @@ class LLM:
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
         self.cpu_linear = use_cpu_linear(net, self.config.cpu_linear, hf.config, self.device, self.dtype)
         del hf
-        self.runner = ModelRunner(self.config, net, self.device, self.dtype)
+        self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)
         num_blocks = self._num_blocks(max_len)
         started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)

@@ -142,13 +142,14 @@ def test_decode(
 
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_decode_empty_splits(rng: random.Random, dtype: torch.dtype) -> None:
-    """Splits are cut by the table's width: short sequences leave most of theirs empty."""
+    """Each sequence cuts its own context into the splits, whole tiles each, over a table with room for 1024
+    tokens (as a captured graph's): a 1-token sequence leaves 7 of 8 splits empty, a long one fills several."""
     block_size, d, splits = 16, 64, 8
     lens = [1, rng.randint(2, 60), rng.randint(300, 700)]
     tables, num_blocks = block_tables_for(rng, lens, block_size)
     tables = torch.cat([tables, torch.zeros(3, 64 - tables.shape[1], dtype=torch.int32)], 1)  # room for 1024
-    tokens_per_split = cdiv(cdiv(64 * block_size, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    assert cdiv(lens[0], tokens_per_split) < splits and cdiv(lens[2], tokens_per_split) < splits
+    per_split = [cdiv(cdiv(n, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N for n in lens]
+    assert cdiv(lens[0], per_split[0]) == 1 and 1 < cdiv(lens[2], per_split[2]) <= splits
     k_cache, v_cache = random_cache(num_blocks, block_size, 1, d, dtype)
     q = torch.randn(3, 3, d).to(dtype)
     out = paged_decode_attention(
