@@ -1,4 +1,5 @@
-"""The Triton kernels under the interpreter on CPU, against a float64 PyTorch reference.
+"""The Triton kernels under the interpreter on CPU (compiled, on a GPU with SLUICE_TEST_DEVICE=cuda),
+against a float64 PyTorch reference.
 
 Inputs are drawn fresh each run from a printed seed (replay with SLUICE_TEST_SEED). bfloat16 is
 not tested here: the interpreter computes it wrongly; bench/gpu_check.py covers it on a GPU.
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_seed
+from helpers import TEST_DEVICE, fresh_seed
 
 from engine.attention import AttentionMetadata
 from engine.triton_attention import TritonAttention
@@ -23,6 +25,17 @@ from kernels.reference import relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 F32, F16 = torch.float32, torch.float16
+
+
+@pytest.fixture(autouse=True)
+def on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The kernels' tensors on the test device (SLUICE_TEST_DEVICE: cuda on a GPU, the compiled kernels;
+    the interpreter here). A test that builds an engine leaves the device to the engine's own "auto"."""
+    if "tiny_model_dir" in request.fixturenames:
+        yield
+        return
+    with torch.device(TEST_DEVICE):
+        yield
 
 
 @pytest.fixture
@@ -313,8 +326,8 @@ def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> No
 
     dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
     num_blocks = 2**30 // (block_size * d) + 64
-    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
-    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
+    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
     assert k_cache.stride(2) < 2**31 <= (hkv - 1) * k_cache.stride(2)
     lens = [rng.randint(20, 60), rng.randint(1, 20)]
     need = [cdiv(n, block_size) for n in lens]
