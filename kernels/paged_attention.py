@@ -463,6 +463,9 @@ def paged_prefill_attention(
         return out
     head_dim = q.shape[2]
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    # Head dim 256 (Gemma): a [64, 256] float32 accumulator over 4 warps left ptxas at 255 registers with a
+    # stack frame (kernels/aot.py reports it); 8 warps and half-width key tiles keep it in registers.
+    block_n, num_warps = (PREFILL_BLOCK_N // 2, 8) if head_dim > 128 else (PREFILL_BLOCK_N, 4)
     tokens = block_m // group
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tile_starts = torch.nn.functional.pad(torch.cumsum((q_lens + tokens - 1) // tokens, 0), (1, 0)).int()
@@ -491,9 +494,9 @@ def paged_prefill_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_N=block_n,
         SOFT_CAP=logits_soft_cap is not None,
         SLIDING=sliding_window is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

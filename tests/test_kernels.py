@@ -127,6 +127,7 @@ DECODE_CASES = [
     pytest.param(F16, 128, 1, 32, 2, 2000, None, id="long-heuristic-splits"),
     pytest.param(F32, 64, 8, 32, 3, 1999, 16, id="long-splits16"),
     pytest.param(F16, 128, 3, 16, 4, 150, 1, id="one-split"),
+    pytest.param(F16, 256, 2, 16, 3, 300, 3, id="head-dim-256"),
 ]
 
 
@@ -180,6 +181,8 @@ PREFILL_CASES = [
     pytest.param(F32, 128, 8, 16, [9, 40, 0, 200, 3, 17], [1, 1, 50, 1, 12, 1], id="decodes-mixed-in"),
     pytest.param(F16, 64, 8, 32, [1963, 500], [37, 1], id="long-context"),
     pytest.param(F32, 64, 3, 16, [10, 0, 77], [1, 1, 1], id="all-query-len-1"),
+    # Gemma's head dim: 8 warps and half-width key tiles (kernels/paged_attention.py).
+    pytest.param(F16, 256, 2, 16, [0, 90], [70, 45], id="head-dim-256"),
 ]
 
 
