@@ -438,12 +438,13 @@ def bench_decode(plan: Plan, copy_gbs: float, rows: Reporter) -> None:
 
     for batch in plan.decode_batches:
         for ctx in plan.decode_contexts:
-            rows.append(_decode_point(plan, batch, ctx, copy_gbs))
+            row, data = _decode_point(plan, batch, ctx, copy_gbs)
+            rows.append(row, **data)
             if plan.device == "cuda":
                 torch.cuda.empty_cache()  # the 8k x 256 cache alone is 4 GiB
 
 
-def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> Row:
+def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> tuple[Row, dict[str, Any]]:
     """Every sequence at ``ctx`` tokens, blocks shuffled as a long-running cache leaves them."""
     import torch
 
@@ -452,8 +453,8 @@ def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> Row:
     hq, hkv, d, bs = 32, 8, 64, 16  # Llama-3.2-1B's attention
     dtype = getattr(torch, plan.decode_dtype)
     num_blocks = batch * ctx // bs
-    k_cache = torch.randn(num_blocks, bs, hkv, d, device=plan.device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    # The engine's head-major cache, as its decode steps read it.
+    k_cache, v_cache = (_head_major_cache(plan, num_blocks, bs, hkv, d, dtype).normal_() for _ in range(2))
     tables = torch.randperm(num_blocks, device=plan.device).view(batch, -1).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=plan.device)
     q = torch.randn(batch, hq, d, device=plan.device).to(dtype)
@@ -469,6 +470,8 @@ def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> Row:
     sdpa = _sdpa_decode_ms(plan, q, batch, ctx, hkv, d, dtype)
     bw = gb / times[chosen] * 1e3
     sweep = " ".join(f"{s}:{gb / t * 1e3:.0f}" for s, t in times.items())
+    data = {"batch": batch, "context": ctx, "splits": chosen, "us": times[chosen] * 1e3, "gb_per_s": bw,
+            "gb_per_s_by_splits": {s: gb / t * 1e3 for s, t in times.items()}}
     return (
         "decode",
         f"B={batch} ctx={ctx}",
@@ -476,7 +479,7 @@ def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> Row:
         f"{bw / (H200_TBS * 1e3):.0%} of {H200_TBS} TB/s",
         f"splits={chosen} (best {best}: {gb / times[best] * 1e3:.0f} GB/s); GB/s by splits {sweep}; "
         + (f"sdpa contiguous {sdpa * 1e3:.0f} us" if sdpa else "sdpa n/a"),
-    )
+    ), data
 
 
 def bench_prefill(plan: Plan, rows: Reporter) -> None:
@@ -489,8 +492,8 @@ def bench_prefill(plan: Plan, rows: Reporter) -> None:
     dtype = getattr(torch, plan.decode_dtype)
     n, length = plan.prefill_batch, plan.prefill_len
     num_blocks = n * length // bs
-    k_cache = torch.randn(num_blocks, bs, hkv, d, device=plan.device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    # The engine's head-major cache, as its decode steps read it.
+    k_cache, v_cache = (_head_major_cache(plan, num_blocks, bs, hkv, d, dtype).normal_() for _ in range(2))
     tables = torch.randperm(num_blocks, device=plan.device).view(n, -1).int()
     seq_lens = torch.full((n,), length, dtype=torch.int32, device=plan.device)
     qsl = torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=plan.device)
@@ -501,7 +504,7 @@ def bench_prefill(plan: Plan, rows: Reporter) -> None:
     )
     flops = n * hq * 2 * length * length * d  # QK^T and PV, 2 flops per multiply-add, causal half
     q4 = q.view(n, length, hq, d).transpose(1, 2)
-    k4 = k_cache.view(n, length, hkv, d).transpose(1, 2)  # same bytes, contiguous per sequence
+    k4 = k_cache.reshape(n, length, hkv, d).transpose(1, 2)  # same values, contiguous per sequence
     try:
         sdpa = time_ms(
             lambda: F.scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True), plan.device
