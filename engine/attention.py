@@ -48,7 +48,23 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend declares about itself, so the model runner asks it rather than testing its type."""
+
+    cuda_graphs: bool = False  # decode launches depend on shapes alone (no host sync): capturable
+    reads_unwritten_slots: bool = True  # attends over slots not yet written: fresh blocks must be zeroed
+    host_prepare: bool = False  # ``prepare(meta)`` groups the step on the host once per step (never captured)
+    fused_kernels: str | None = None  # the elementwise kernels that go with it: "triton", "cpu" or None (eager)
+    device_type: str | None = None  # the one device type it runs on; None = any
+
+
 class AttentionBackend(Protocol):
+    caps: BackendCapabilities
+
+    def prepare(self, meta: AttentionMetadata) -> list[Any] | None:  # per-step host work; None where none
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -153,6 +169,8 @@ class TorchAttention:
     its sequences' whole blocks once per layer (reading the KV cache is what a CPU decode step mostly
     spends its time on), and GQA is plain attention with the query heads of a KV head stacked.
     """
+
+    caps = BackendCapabilities(host_prepare=True)
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, head_major
+from engine.attention import AttentionMetadata, BackendCapabilities, head_major
 
 
 class CpuPagedAttention:
@@ -17,8 +17,11 @@ class CpuPagedAttention:
     chunks alike, in one call per layer."""
 
     # The op reads only positions up to each query's own, all written before it attends: fresh blocks
-    # need no zeroing.
-    reads_unwritten_slots = False
+    # need no zeroing. Its C++ elementwise ops (and argmax) are built with it.
+    caps = BackendCapabilities(reads_unwritten_slots=False, fused_kernels="cpu", device_type="cpu")
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        return None
 
     def forward(
         self,

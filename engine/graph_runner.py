@@ -7,8 +7,10 @@ depends on the bucket alone. A padded row writes its K/V to slot -1 (skipped) an
 0, so it attends to nothing and nothing reads it.
 
 On CUDA with the Triton backend each bucket is captured at start-up and replayed; elsewhere (CPU,
-``enforce_eager``) the padded step runs eagerly, which is how the padding is tested on CPU. Prompt
-chunks run eagerly through ``ModelRunner.prepare`` as before.
+``enforce_eager``) the padded step runs eagerly, which is how the padding is tested on CPU. A capture
+that fails (a host sync inside a model's own modules: transformers' dynamic RoPE checks, MoE routing's
+``.nonzero()``) is logged and the padded steps run eagerly instead. Prompt chunks run eagerly through
+``ModelRunner.prepare`` as before.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def is_decode_only(batch: ScheduledBatch) -> bool:
 
 class _StaticInputs:
     """The step's inputs for the largest bucket. On CUDA they are filled in pinned host memory and
-    copied over in one non-blocking copy each; on CPU the host side is the device side."""
+    copied over in one non-blocking copy each; on CPU the host side is the device side. Of the block
+    table only the columns this step's longest sequence uses travel (the kernels read no further), packed
+    into a contiguous staging row and spread into the table on the device."""
 
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -59,11 +63,13 @@ class _StaticInputs:
         self.pos_h, self.pos = pair(max_bs, dtype=torch.long)
         self.slots_h, self.slots = pair(max_bs, dtype=torch.long)
         self.lens_h, self.lens = pair(max_bs, dtype=torch.int32)
-        self.tables_h, self.tables = pair(max_bs, max_blocks, dtype=torch.int32)
+        self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.stage_h, self.stage = pair(max_bs * max_blocks, dtype=torch.int32) if pin else (None, None)
         self.qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one query each, forever
         self.rows = torch.arange(max_bs, device=device)
         self.copies = [(self.ids_h, self.ids), (self.pos_h, self.pos), (self.slots_h, self.slots),
-                       (self.lens_h, self.lens), (self.tables_h, self.tables)]
+                       (self.lens_h, self.lens)]
+        self.table_copy_elems = 0  # block-table entries sent by the last fill (for tests)
         # Host rows are rewritten next step only once the last copy out of them has finished.
         self.sent = torch.cuda.Event() if pin else None
 
@@ -73,10 +79,13 @@ class _StaticInputs:
             self.sent.synchronize()
         n = len(seqs)
         pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        ids, slots, tables = self.ids_h.numpy(), self.slots_h.numpy(), self.tables_h.numpy()
+        ids, slots = self.ids_h.numpy(), self.slots_h.numpy()
         ids[:n] = [s.token_ids[s.num_computed_tokens] for s in seqs]
         self.pos_h.numpy()[:n] = pos
         self.lens_h.numpy()[:n] = pos + 1
+        width = max(len(s.block_table) for s in seqs)
+        tables = self._table_rows(bucket, width)
+        tables[n:] = 0
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
         slots[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
@@ -84,15 +93,25 @@ class _StaticInputs:
         for host, dev in self.copies:
             if dev is not host:
                 dev[:bucket].copy_(host[:bucket], non_blocking=True)
+        if self.stage is not None and self.stage_h is not None:
+            used = bucket * width
+            self.stage[:used].copy_(self.stage_h[:used], non_blocking=True)
+            self.tables[:bucket, :width].copy_(self.stage[:used].view(bucket, width))
+        self.table_copy_elems = bucket * width
         if self.sent is not None:
             self.sent.record()
+
+    def _table_rows(self, bucket: int, width: int) -> np.ndarray:
+        """Where this step's ``[bucket, width]`` block-table rows are written on the host."""
+        if self.stage_h is not None:
+            return self.stage_h[: bucket * width].view(bucket, width).numpy()
+        return self.tables[:bucket, :width].numpy()
 
     def pad(self, start: int, stop: int) -> None:
         """Rows ``start:stop`` are padding: token 0 at position 0, no slot, no context."""
         for t in (self.ids_h, self.pos_h, self.lens_h):
             t[start:stop] = 0
-        self.slots_h[start:stop] = -1
-        self.tables_h[start:stop] = 0
+        self.slots_h[start:stop] = -1  # their table rows are never read: context 0
 
 
 class DecodeGraphRunner:
@@ -107,13 +126,15 @@ class DecodeGraphRunner:
         self.device = device
         self.buckets = decode_buckets(max_num_seqs)
         self.inputs = _StaticInputs(self.buckets[-1], max_blocks, device)
-        # The decode kernel splits by the block table's width, so the whole width is the context bound.
+        # The table's whole width bounds the context: the decode kernel picks its split count from it, and
+        # each sequence cuts its own context into that many ranges (kernels/paged_attention.py).
         self.metas = {b: self._meta(b, max_blocks * block_size) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.steps = dict.fromkeys(self.buckets, 0)  # decode steps run per bucket (for bench/ and tests)
         self.capture_s = 0.0
         self.pool_bytes = 0  # what capture added to the allocator's reserved memory
+        self.capture_error: str | None = None  # why capture failed, where it did (the steps then run eagerly)
 
     def _meta(self, b: int, max_seq_len: int) -> AttentionMetadata:
         x = self.inputs
@@ -123,9 +144,8 @@ class DecodeGraphRunner:
 
     def _forward(self, b: int) -> torch.Tensor:
         meta = self.metas[b]
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:  # host-side grouping (CPU backend): per step, never captured
-            meta = replace(meta, groups=prepare(meta))
+        if self.backend.caps.host_prepare:  # host-side grouping (PyTorch backend): per step, never captured
+            meta = replace(meta, groups=self.backend.prepare(meta))
         return self.model(self.inputs.ids[:b], self.inputs.pos[:b], self.kv_caches, meta, self.backend)
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]] | None:
@@ -156,9 +176,26 @@ class DecodeGraphRunner:
                 dev[:b].copy_(host[:b])
         return self._forward(b)
 
+    def capture(self) -> bool:
+        """Capture every bucket; False where capture failed, which is logged, and the graphs are dropped
+        so that every decode step runs eagerly (still padded) rather than the engine failing to start."""
+        try:
+            self._capture_all()
+        except Exception as e:  # noqa: BLE001 - any failure inside the model's modules during capture
+            self.graphs.clear()
+            self.outputs.clear()
+            self.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("CUDA graph capture failed (%s); decode steps run eagerly", self.capture_error)
+            return False
+        return True
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def _capture_all(self) -> None:
         """Capture every bucket, largest first so that the smaller ones reuse its memory pool."""
+        # torch.cuda.graph empties the allocator's cache on entry: measure the pool from an empty cache
+        # at both ends, or what the cache held before would be counted off it.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = None
         for b in reversed(self.buckets):
@@ -170,6 +207,7 @@ class DecodeGraphRunner:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.capture_s = time.perf_counter() - t0
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs (%d MiB)", self.buckets, self.capture_s,

@@ -63,7 +63,7 @@ class LLM:
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
         del hf
-        self.runner = ModelRunner(self.config, net, self.device, self.dtype)
+        self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)
         num_blocks = self._num_blocks(max_len)
         started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)

@@ -29,12 +29,16 @@ _DEFAULT_CPU_KV_BYTES = 4 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> None:
         self.config = config
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        # The engine's own length limit (the model's, or max_model_len where smaller): positions run
+        # 0..max_model_len-1, whichever path implements the model; the native rotary tables end there too.
+        self.max_model_len = max_model_len
         self.backend = make_backend(config, device)
         self.kernels = elementwise_kernels(self.backend, device)
         if hasattr(model, "use_fused_kernels"):  # the native path; the transformers path runs its own layers
@@ -63,21 +67,20 @@ class ModelRunner:
         if self._pad_decode():
             self.decode_runner = self._decode_runner(num_blocks)
             if self._capture_graphs():
-                self.decode_runner.capture()
+                self.decode_runner.capture()  # a failed capture is logged and leaves the steps eager
 
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
         self.num_zeroed_blocks = num_blocks if self.device.type == "cpu" else 0  # allocate_kv zeroes CPU caches
 
     def _capture_graphs(self) -> bool:
-        return (self.device.type == "cuda" and not self.config.enforce_eager
-                and getattr(self.backend, "supports_cuda_graphs", False))
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.caps.cuda_graphs
 
     def _pad_decode(self) -> bool:
         return self.config.pad_decode if self.config.pad_decode is not None else self._capture_graphs()
 
     def _decode_runner(self, num_blocks: int) -> DecodeGraphRunner:
-        max_blocks = min(-(-self._max_positions() // self.block_size), num_blocks)
+        max_blocks = min(-(-self.max_model_len // self.block_size), num_blocks)
         return DecodeGraphRunner(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
                                  self.block_size, max_blocks, self.device)
 
@@ -86,7 +89,7 @@ class ModelRunner:
         masked key slots are still multiplied by a zero probability, and 0 * NaN is NaN. A backend
         that never loads a slot before it is written (Triton's masked loads) skips this; a CPU cache
         starts zeroed (engine/huge_pages.py), so all its blocks count as zeroed from the start."""
-        if not getattr(self.backend, "reads_unwritten_slots", True):
+        if not self.backend.caps.reads_unwritten_slots:
             return
         if num_touched > self.num_zeroed_blocks:
             for k, v in self.kv_caches:
@@ -95,16 +98,17 @@ class ModelRunner:
             self.num_zeroed_blocks = num_touched
 
     def _cuda_free_after_warmup(self) -> int:
-        """What is left of ``gpu_memory_utilization`` after a forward pass at the largest step, less the
-        memory the decode graphs will hold."""
-        torch.cuda.reset_peak_memory_stats()
+        """The KV budget from what the device has free once the weights are loaded and a forward pass
+        at the largest step has run (``cuda_kv_budget``): other processes' memory counts as taken."""
+        torch.cuda.reset_peak_memory_stats(self.device)
         blocks = self.warmup_step()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated(self.device)
         self.graph_reserve_bytes = self._graph_reserve(blocks) if self._capture_graphs() else 0
         self.kv_caches = []
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(int(total * self.config.gpu_memory_utilization) - peak - self.graph_reserve_bytes, 0)
+        activations = max(peak - torch.cuda.memory_allocated(self.device), 0)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return cuda_kv_budget(free, total, self.config.gpu_memory_utilization, activations, self.graph_reserve_bytes)
 
     @torch.inference_mode()
     def warmup_step(self) -> int:
@@ -112,7 +116,7 @@ class ModelRunner:
         cache just big enough for it; returns that cache's block count. The tokens are cut into
         sequences no longer than the rotary tables, which end at the model's length limit."""
         bs = self.block_size
-        q_lens = warmup_query_lens(self.config.max_num_batched_tokens, self._max_positions())
+        q_lens = warmup_query_lens(self.config.max_num_batched_tokens, self.max_model_len)
         batch, blocks = ScheduledBatch(), 0
         for i, n in enumerate(q_lens):
             seq = Sequence(-1 - i, "warmup", 0, [0] * n, n, SamplingParams())
@@ -125,13 +129,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         self.model.compute_logits(hidden[-self.config.max_num_seqs :])
         return blocks
-
-    def _max_positions(self) -> int:
-        """Positions the model can take: the native path's rotary tables end there."""
-        rotary = getattr(self.model, "rotary", None)
-        if rotary is not None:
-            return rotary.cos.shape[0]
-        return self.config.max_model_len or self.config.max_num_batched_tokens
 
     def _graph_reserve(self, num_blocks: int) -> int:
         """Bytes to leave for the decode graphs' private memory pool: twice the peak of an eager decode
@@ -195,13 +192,20 @@ class ModelRunner:
             prefill_idx=torch.nonzero(q_lens_t > 1).flatten(),
         )
         meta = _to_device(meta, self.device)
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            meta.groups = prepare(meta)
-        input_ids = torch.from_numpy(ids).to(self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
-        last_rows = torch.from_numpy(cu[1:][sampling] - 1).to(self.device)
+        if self.backend.caps.host_prepare:
+            meta.groups = self.backend.prepare(meta)
+        input_ids = _h2d(torch.from_numpy(ids), self.device)
+        pos_t = _h2d(torch.from_numpy(positions), self.device)
+        last_rows = _h2d(torch.from_numpy(cu[1:][sampling] - 1), self.device)
         return input_ids, pos_t, meta, last_rows, [seqs[i] for i in sampling.tolist()]
+
+
+def cuda_kv_budget(free: int, total: int, utilization: float, activations: int, graph_reserve: int) -> int:
+    """Bytes for the KV cache: of ``utilization`` x ``total``, take away what anyone holds now (``total -
+    free``: this process's weights and CUDA context, and other processes' memory), the step's activation
+    peak above what stays allocated, and the reserve left for the decode graphs' pool."""
+    in_use = total - free
+    return max(int(total * utilization) - in_use - activations - graph_reserve, 0)
 
 
 def warmup_query_lens(num_tokens: int, max_positions: int) -> list[int]:
@@ -227,7 +231,8 @@ def allocate_kv_caches(spec: list[LayerKVSpec], num_blocks: int, block_size: int
 
 
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
-    """auto: the Triton kernels on CUDA; on CPU the C++ op, or PyTorch where it cannot be built."""
+    """auto: the Triton kernels on CUDA; on CPU the C++ op, or PyTorch where it cannot be built. A backend
+    that runs on one device type only is refused elsewhere, in one line."""
     name = config.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
@@ -238,30 +243,42 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
             if not ok:
                 log.warning("C++ CPU attention unavailable (%s); using the PyTorch fallback", why)
                 name = "torch"
+    backend: AttentionBackend
     if name == "triton":
-        return TritonAttention()
-    if name == "cpu":
+        backend = TritonAttention()
+    elif name == "cpu":
         from engine.cpu_attention import CpuPagedAttention
 
-        return CpuPagedAttention()
-    return TorchAttention(config.block_size)
+        backend = CpuPagedAttention()
+    else:
+        backend = TorchAttention(config.block_size)
+    if backend.caps.device_type not in (None, device.type):
+        raise ValueError(f"attention_backend {name!r} runs on {backend.caps.device_type} only, not {device.type}")
+    return backend
 
 
 def elementwise_kernels(backend: AttentionBackend, device: torch.device) -> ModuleType | None:
     """The fused RMSNorm (+ residual), rotary and SiLU * up kernels that go with the attention backend, so a
     layer's small ops are one launch or dispatch each: Triton's beside Triton attention on CUDA, the C++ ops
     (and their argmax) beside the C++ attention op, built with it; None (eager PyTorch) beside the fallback."""
-    if isinstance(backend, TritonAttention) and device.type == "cuda":
+    kind = backend.caps.fused_kernels
+    if kind == "triton" and device.type == "cuda":  # not under the interpreter: eager ops are the reference there
         from kernels import fused
 
         return fused
-    from engine.cpu_attention import CpuPagedAttention
-
-    if isinstance(backend, CpuPagedAttention):
+    if kind == "cpu":
         from kernels import cpu_fused
 
         return cpu_fused
     return None
+
+
+def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA through pinned memory, so the copy is queued without waiting
+    (from pageable memory it would block the host until the stream reaches it)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -269,5 +286,5 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
         return meta
     moved: dict[str, Any] = {}
     for name, value in vars(meta).items():
-        moved[name] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        moved[name] = _h2d(value, device) if isinstance(value, torch.Tensor) else value
     return AttentionMetadata(**moved)

@@ -2,15 +2,18 @@
 
 Greedy rows take the argmax. Sampled rows go through penalties, temperature and the top-k / top-p /
 min-p filters, then an exponential race: argmax(p / E) with E ~ Exp(1) picks token i with
-probability p_i. A seeded request draws E from its own generator, so its text does not depend on what
-else shares the batch. Every step is vectorised over the batch; the per-request settings travel to
-the device as one small tensor each, and only the chosen ids (and requested logprobs) come back.
+probability p_i. A seeded request's E does not depend on what else shares the batch: on CUDA every
+seeded row's noise comes from one Philox launch keyed by (seed, draw number) (kernels/sampling.py);
+elsewhere from the request's own generator. Every step is vectorised over the batch; the per-request
+settings travel to the device as one small tensor each (from pinned memory on CUDA, so the host does not
+wait), and only the chosen ids (and requested logprobs) come back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,21 +39,32 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]],
     tokens = first_max(logits) if first_max is not None else logits.max(dim=-1).indices
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
+        rows = _on(logits.device, sampled, torch.long)
         tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in sampled])
     return _to_host(raw, seqs, tokens)
 
 
+# Devices whose seeded rows draw their noise in one kernel launch (tests add "cpu" to run it interpreted).
+SEEDED_KERNEL_DEVICES = {"cuda"}
+
+
+def _on(device: torch.device, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on ``device``: on CUDA through pinned memory, queued without waiting
+    (a copy from pageable memory holds the host until the stream reaches it)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def _row_values(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
     """One sampling setting per row as a [N, 1] float32 column on ``device``."""
-    return torch.tensor([float(getattr(s.params, name)) for s in seqs], dtype=torch.float32, device=device)[:, None]
+    return _on(device, [float(getattr(s.params, name)) for s in seqs], torch.float32)[:, None]
 
 
 def _scatter_ids(shape: torch.Size, rows: list[int], ids: list[list[int]], device: torch.device) -> torch.Tensor:
     """[N, V] float32 counts of ``ids[j]`` in row ``rows[j]``: one host-to-device copy for all rows."""
     flat_rows = [r for r, row_ids in zip(rows, ids, strict=True) for _ in row_ids]
     flat_ids = [t for row_ids in ids for t in row_ids]
-    index = torch.tensor([flat_rows, flat_ids], dtype=torch.long, device=device)
+    index = _on(device, [flat_rows, flat_ids], torch.long)
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
     counts.index_put_((index[0], index[1]), torch.ones(len(flat_ids), device=device), accumulate=True)
     return counts
@@ -91,12 +105,20 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Exp(1) noise shaped like ``probs``: one draw for every unseeded row, then each seeded row from its
-    own generator (a generator lives on one device: the engine makes them on the logits' device)."""
+    """Exp(1) noise shaped like ``probs``: one draw for every unseeded row, then the seeded rows: on CUDA
+    all in one launch keyed by (seed + sample index, tokens drawn so far), as the engine seeds each
+    sample; elsewhere each from its own generator (made by the engine on the logits' device)."""
     noise = torch.empty_like(probs)
-    seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+    kernel = probs.device.type in SEEDED_KERNEL_DEVICES
+    seeded = [i for i, s in enumerate(seqs) if (s.params.seed is not None if kernel else s.generator is not None)]
     if len(seeded) < len(seqs):
         noise.exponential_()  # seeded rows are overwritten below
+    if seeded and kernel:
+        from kernels.sampling import philox_keys, seeded_exponential
+
+        keys = philox_keys([(seqs[i].params.seed or 0) + seqs[i].index for i in seeded],
+                           [seqs[i].num_output_tokens for i in seeded])
+        return seeded_exponential(noise, _on(probs.device, seeded, torch.long), _on(probs.device, keys, torch.int64))
     for i in seeded:
         noise[i].exponential_(generator=seqs[i].generator)
     return noise
@@ -107,7 +129,7 @@ def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if all((s.params.top_k or vocab) >= vocab and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs):
         return probs  # decided on the host: no device sync
     dev = probs.device
-    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=dev)[:, None]
+    top_k = _on(dev, [s.params.top_k or vocab for s in seqs], torch.long)[:, None]
     top_p, min_p = _row_values(seqs, "top_p", dev), _row_values(seqs, "min_p", dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev)[None, :]
@@ -125,7 +147,7 @@ def _to_host(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> S
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not want:
         return SamplerOutput(tokens.tolist(), [None] * len(seqs))
-    rows = torch.tensor(want, device=raw.device)
+    rows = _on(raw.device, want, torch.long)
     lp = torch.log_softmax(raw[rows], dim=-1)
     chosen = lp.gather(1, tokens[rows][:, None])[:, 0]
     k_max = max(seqs[i].params.logprobs or 0 for i in want)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, BackendCapabilities
 
 
 class TritonAttention:
@@ -17,10 +17,13 @@ class TritonAttention:
     longer query takes the varlen prefill kernel, which handles the decodes in it too.
     """
 
-    # Decode launches depend on shapes alone (no host sync), so a decode step can be a CUDA graph.
-    supports_cuda_graphs = True
-    # Every load is masked to the context's written slots, so fresh cache blocks need no zeroing.
-    reads_unwritten_slots = False
+    # Decode launches depend on shapes alone (no host sync), so a decode step can be a CUDA graph; every
+    # load is masked to the context's written slots, so fresh cache blocks need no zeroing. On CPU the
+    # kernels run under the interpreter (tests) and the eager PyTorch elementwise ops go with them.
+    caps = BackendCapabilities(cuda_graphs=True, reads_unwritten_slots=False, fused_kernels="triton")
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        return None
 
     def forward(
         self,

@@ -8,6 +8,10 @@ import time)::
 
     python -m kernels.aot --arch 90            # every case, cubin via the bundled ptxas
     python -m kernels.aot --arch 90 --stage ptx
+    python -m kernels.aot --with-triton 3.6.0  # the same under another triton (the GPU image's), installed
+                                               # once into /tmp/triton-3.6.0 and put ahead of this one
+
+Each line reports the kernel's registers, stack and spills (LOCAL) and its shared memory, per variant.
 """
 
 from __future__ import annotations
@@ -77,26 +81,36 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
     from kernels.kv_write import store_kvcache
     from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
-    # (query heads, KV heads, head_dim, block_size): GQA groups 1/3/4/8, head dims 64/128.
-    shapes = [(4, 4, 64, 16), (9, 3, 64, 16), (32, 8, 64, 16), (32, 4, 128, 32)]
+    # (query heads, KV heads, head_dim, block_size): GQA groups 1/2/3/4/8, head dims 64/128 and Gemma's 256.
+    shapes = [(4, 4, 64, 16), (9, 3, 64, 16), (32, 8, 64, 16), (32, 4, 128, 32), (8, 4, 256, 16)]
     lens = torch.tensor([5, 100], dtype=torch.int32)
     block_tables = torch.zeros(2, 8, dtype=torch.int32)
     query_start_loc = torch.tensor([0, 2, 7], dtype=torch.int32)
+    # Sliding window with logit soft-cap (Gemma 2/3), each kernel with both, as the transformers path passes them.
+    window_cap = dict(sliding_window=64, logits_soft_cap=30.0)
     for hq, hkv, d, bs in shapes:
         tag = f"hq{hq}-hkv{hkv}-d{d}-bs{bs}"
-        kc, vc = _rand(8, bs, hkv, d, dtype=dtype), _rand(8, bs, hkv, d, dtype=dtype)
+        # The engine's cache layout (engine/attention.py allocate_kv): head-major memory viewed as
+        # [blocks, block_size, heads, dim], so the strides, and their specialisations, are a launch's.
+        kc, vc = (_rand(hkv, 8, bs, d, dtype=dtype).permute(1, 2, 0, 3) for _ in range(2))
         k, v = _rand(3, hkv, d, dtype=dtype), _rand(3, hkv, d, dtype=dtype)
         yield f"kv_write-{tag}", partial(store_kvcache, k, v, kc, vc, torch.tensor([0, -1, 7]))
         q = _rand(2, hq, d, dtype=dtype)
-        for splits in (1, 4):
+        for splits in (1, 4):  # 1: the direct path (no merge), as large batches take it
             yield (
                 f"decode-s{splits}-{tag}",
                 partial(paged_decode_attention, q, kc, vc, block_tables, lens, 0.125, splits),
             )
+            yield (
+                f"decode-s{splits}-window-softcap-{tag}",
+                partial(paged_decode_attention, q, kc, vc, block_tables, lens, 0.125, splits, **window_cap),
+            )
         qp = _rand(7, hq, d, dtype=dtype)
         call = partial(paged_prefill_attention, qp, kc, vc, block_tables, query_start_loc, lens, 5, 0.125)
         yield f"prefill-{tag}", call
+        yield f"prefill-window-softcap-{tag}", partial(call, **window_cap)
     yield from _fused_cases(dtype)
+    yield from _sampling_cases()
 
 
 def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -106,13 +120,22 @@ def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
         x, w = _rand(4, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
         yield f"rms_norm-h{hidden}", partial(rms_norm, x, w, 1e-5)
         yield f"add_rms_norm-h{hidden}", partial(rms_norm, x, w, 1e-5, _rand(4, hidden, dtype=dtype))
-    for hq, hkv, d in ((9, 3, 64), (32, 8, 64), (32, 8, 128)):
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 64), (32, 8, 128), (8, 4, 256)):
         qkv = _rand(4, (hq + 2 * hkv) * d, dtype=dtype)
         q, k = qkv[:, : hq * d].view(4, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(4, hkv, d)
         cos, sin = torch.rand(64, d), torch.rand(64, d)
         yield f"rotary-hq{hq}-hkv{hkv}-d{d}", partial(apply_rotary, torch.arange(4), q, k, cos, sin)
     for intermediate in (1536, 8192):  # SmolLM2-135M, Llama-3.2-1B
         yield f"silu_and_mul-i{intermediate}", partial(silu_and_mul, _rand(4, 2 * intermediate, dtype=dtype))
+
+
+def _sampling_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
+    from kernels.sampling import seeded_exponential
+
+    # float32 noise whatever the model's dtype; vocabularies of SmolLM2 and Llama 3.
+    for vocab in (49152, 128256):
+        rows, keys = torch.tensor([0, 2]), torch.tensor([5, (3 << 32) | 7])
+        yield f"seeded_exponential-v{vocab}", partial(seeded_exponential, torch.empty(3, vocab), rows, keys)
 
 
 def compile_launch(launch: Launch, arch: int, stage: str) -> tuple[Any, dict[str, Any]]:
@@ -201,6 +224,19 @@ def resource_usage(cubin: bytes) -> str:
     return " ".join(x for x in line.split() if x.split(":")[0] in ("REG", "STACK", "LOCAL"))
 
 
+def rerun_with_triton(version: str, argv: list[str]) -> int:
+    """Run this module again with triton ``version`` ahead of the installed one on the path (torch and the
+    rest stay this environment's; only the compiler differs). The install goes to /tmp, never the repo."""
+    target = os.path.join(tempfile.gettempdir(), f"triton-{version}")
+    if not os.path.isdir(os.path.join(target, "triton")):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target,
+                        f"triton=={version}"], check=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [target, root, os.environ.get("PYTHONPATH")])))
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(target, ".cache"))  # not mixed with the other version's cache
+    return subprocess.run([sys.executable, "-m", "kernels.aot", *argv], env=env).returncode
+
+
 def _last_stage(asm: dict[str, Any]) -> str:
     return [s for s in STAGES if s in asm][-1]
 
@@ -212,10 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,fp16,bf16")
     parser.add_argument("--only", help="compile only the cases whose name contains this")
     parser.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
+    parser.add_argument("--with-triton", metavar="VERSION",
+                        help="compile under this triton (e.g. 3.6.0, the GPU image's): installed once with pip into "
+                             "/tmp/triton-VERSION, outside the repo, and put ahead of this environment's")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter cannot compile", file=sys.stderr)
         return 2
+    if args.with_triton:
+        return rerun_with_triton(args.with_triton, [a for a in (argv if argv is not None else sys.argv[1:])
+                                                    if not a.startswith("--with-triton") and a != args.with_triton])
+    import triton
+
+    print(f"triton {triton.__version__}, torch {torch.__version__}", file=sys.stderr)
     results = run(args.arch, args.stage, args.dtypes.split(","), args.only)
     for r in results:
         if args.json:

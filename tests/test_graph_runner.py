@@ -14,7 +14,7 @@ from helpers import assert_greedy_matches, fresh_seed, hf_greedy, random_prompts
 
 from engine.graph_runner import bucket_for, decode_buckets
 from engine.llm import LLM
-from engine.model_runner import warmup_query_lens
+from engine.model_runner import cuda_kv_budget, warmup_query_lens
 from engine.outputs import Request
 from engine.sampling_params import SamplingParams
 
@@ -93,16 +93,73 @@ def test_warmup_step_stays_inside_the_rotary_tables(tiny_model_dir: Path) -> Non
 
 
 def test_cuda_budget_after_warmup_with_a_fake_device(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA sizing path, on CPU with torch.cuda's memory counters faked: it warms up without an
-    index error and leaves gpu_memory_utilization x total less the warm-up peak."""
+    """The CUDA sizing path, on CPU with torch.cuda's memory counters faked: an 80 GiB device at
+    utilization 0.9 (72 GiB) where another process holds 16 GiB and the weights 4: 60 GiB are free. The
+    warm-up peaks 2 GiB above what stays allocated, so 72 - 20 - 2 = 50 GiB are left for the KV cache
+    (sizing from total x utilization less the peak gave 66 GiB: more than was free)."""
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=16 << 20, max_model_len=64,
-              max_num_batched_tokens=200, gpu_memory_utilization=0.5)
+              max_num_batched_tokens=200, gpu_memory_utilization=0.9)
     runner = llm.runner
     calls: list[str] = []
-    props = type("Props", (), {"total_memory": 10 << 30})()
+    gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 4 * gib)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
-    assert runner._cuda_free_after_warmup() == (5 << 30) - (3 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * gib, 80 * gib))
+    assert runner._cuda_free_after_warmup() == int(0.9 * 80 * gib) - 20 * gib - 2 * gib
     assert calls == ["reset", "empty"] and runner.kv_caches == []
+
+
+def test_cuda_kv_budget_leaves_others_memory_and_the_graph_reserve() -> None:
+    gib = 1 << 30
+    assert cuda_kv_budget(80 * gib, 80 * gib, 0.5, 0, 0) == 40 * gib
+    assert cuda_kv_budget(60 * gib, 80 * gib, 0.5, 0, 0) == 20 * gib  # 20 GiB held by anyone counts
+    assert cuda_kv_budget(60 * gib, 80 * gib, 0.5, 3 * gib, gib) == 16 * gib
+    assert cuda_kv_budget(10 * gib, 80 * gib, 0.5, 0, 0) == 0  # nothing left: never negative
+
+
+def test_transformers_path_decodes_past_the_step_token_budget(tiny_model_dir: Path) -> None:
+    """On the transformers path the padded decode's block tables are sized from the engine's length limit
+    (the model's 4096 here), not max_num_batched_tokens (16): sequences grow to ~28 tokens, two blocks."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(fresh_seed())
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(rng, 2, 10, 14)
+    reqs = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=14)) for i, p in enumerate(prompts)]
+    outs, llm = _generate(tiny_model_dir, reqs, pad_decode=True, model_impl="transformers",
+                          max_num_batched_tokens=16, attention_backend="torch")
+    assert llm.model_impl == "transformers" and llm.runner.max_model_len == 4096
+    runner = llm.runner.decode_runner
+    assert runner is not None and runner.inputs.tables.shape[1] == 4096 // 16  # the length limit, not 1 block
+    assert runner.inputs.table_copy_elems <= 2 * 2  # the last step sent its rows' used columns only
+    for p, c in zip(prompts, outs, strict=True):
+        assert len(p) + len(c.token_ids) > 16
+        assert_greedy_matches(hf, p, c.token_ids, hf_greedy(hf, p, 14))
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that fails (a host sync inside the model, simulated: this machine has no CUDA) leaves no
+    graph behind, is logged, and the engine starts and decodes eagerly, padded, to the same tokens."""
+    from engine.graph_runner import DecodeGraphRunner
+    from engine.model_runner import ModelRunner
+
+    def broken_capture(self: DecodeGraphRunner) -> None:
+        self.graphs[self.buckets[-1]] = object()  # one bucket captured before the failure
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    rng = random.Random(fresh_seed())
+    reqs = _requests(rng, 5)
+    plain, _ = _generate(tiny_model_dir, reqs, pad_decode=False)
+    monkeypatch.setattr(ModelRunner, "_capture_graphs", lambda self: True)
+    monkeypatch.setattr(DecodeGraphRunner, "_capture_all", broken_capture)
+    with caplog.at_level("WARNING", logger="engine.graph_runner"):
+        outs, llm = _generate(tiny_model_dir, reqs)
+    runner = llm.runner.decode_runner
+    assert runner is not None and runner.graphs == {} and sum(runner.steps.values()) > 0
+    assert runner.capture_error == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    assert "capture failed" in caplog.text
+    for a, b in zip(plain, outs, strict=True):
+        assert a.token_ids == b.token_ids, a.request_id

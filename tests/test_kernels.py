@@ -1,4 +1,5 @@
-"""The Triton kernels under the interpreter on CPU, against a float64 PyTorch reference.
+"""The Triton kernels under the interpreter on CPU (compiled, on a GPU with SLUICE_TEST_DEVICE=cuda),
+against a float64 PyTorch reference.
 
 Inputs are drawn fresh each run from a printed seed (replay with SLUICE_TEST_SEED). bfloat16 is
 not tested here: the interpreter computes it wrongly; bench/gpu_check.py covers it on a GPU.
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_seed
+from helpers import TEST_DEVICE, fresh_seed
 
 from engine.attention import AttentionMetadata
 from engine.triton_attention import TritonAttention
@@ -23,6 +25,17 @@ from kernels.reference import relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 F32, F16 = torch.float32, torch.float16
+
+
+@pytest.fixture(autouse=True)
+def on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The kernels' tensors on the test device (SLUICE_TEST_DEVICE: cuda on a GPU, the compiled kernels;
+    the interpreter here). A test that builds an engine leaves the device to the engine's own "auto"."""
+    if "tiny_model_dir" in request.fixturenames:
+        yield
+        return
+    with torch.device(TEST_DEVICE):
+        yield
 
 
 @pytest.fixture
@@ -114,6 +127,7 @@ DECODE_CASES = [
     pytest.param(F16, 128, 1, 32, 2, 2000, None, id="long-heuristic-splits"),
     pytest.param(F32, 64, 8, 32, 3, 1999, 16, id="long-splits16"),
     pytest.param(F16, 128, 3, 16, 4, 150, 1, id="one-split"),
+    pytest.param(F16, 256, 2, 16, 3, 300, 3, id="head-dim-256"),
 ]
 
 
@@ -142,13 +156,14 @@ def test_decode(
 
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_decode_empty_splits(rng: random.Random, dtype: torch.dtype) -> None:
-    """Splits are cut by the table's width: short sequences leave most of theirs empty."""
+    """Each sequence cuts its own context into the splits, whole tiles each, over a table with room for 1024
+    tokens (as a captured graph's): a 1-token sequence leaves 7 of 8 splits empty, a long one fills several."""
     block_size, d, splits = 16, 64, 8
     lens = [1, rng.randint(2, 60), rng.randint(300, 700)]
     tables, num_blocks = block_tables_for(rng, lens, block_size)
     tables = torch.cat([tables, torch.zeros(3, 64 - tables.shape[1], dtype=torch.int32)], 1)  # room for 1024
-    tokens_per_split = cdiv(cdiv(64 * block_size, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    assert cdiv(lens[0], tokens_per_split) < splits and cdiv(lens[2], tokens_per_split) < splits
+    per_split = [cdiv(cdiv(n, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N for n in lens]
+    assert cdiv(lens[0], per_split[0]) == 1 and 1 < cdiv(lens[2], per_split[2]) <= splits
     k_cache, v_cache = random_cache(num_blocks, block_size, 1, d, dtype)
     q = torch.randn(3, 3, d).to(dtype)
     out = paged_decode_attention(
@@ -166,6 +181,8 @@ PREFILL_CASES = [
     pytest.param(F32, 128, 8, 16, [9, 40, 0, 200, 3, 17], [1, 1, 50, 1, 12, 1], id="decodes-mixed-in"),
     pytest.param(F16, 64, 8, 32, [1963, 500], [37, 1], id="long-context"),
     pytest.param(F32, 64, 3, 16, [10, 0, 77], [1, 1, 1], id="all-query-len-1"),
+    # Gemma's head dim: 8 warps and half-width key tiles (kernels/paged_attention.py).
+    pytest.param(F16, 256, 2, 16, [0, 90], [70, 45], id="head-dim-256"),
 ]
 
 
@@ -312,8 +329,8 @@ def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> No
 
     dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
     num_blocks = 2**30 // (block_size * d) + 64
-    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
-    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device("cpu"))
+    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
+    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
     assert k_cache.stride(2) < 2**31 <= (hkv - 1) * k_cache.stride(2)
     lens = [rng.randint(20, 60), rng.randint(1, 20)]
     need = [cdiv(n, block_size) for n in lens]

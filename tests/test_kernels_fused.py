@@ -142,7 +142,7 @@ def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: Mod
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     runner = ModelRunner(EngineConfig(block_size=16, attention_backend="torch"), model, torch.device("cpu"),
-                         torch.float32)
+                         torch.float32, 128)
     assert model.rotary.kernels is None and model.norm.kernels is None  # eager beside the PyTorch fallback
     lens = [rng.randint(1, 40) for _ in range(3)]
     batch, start = ScheduledBatch(), 0

@@ -5,11 +5,12 @@ and filters included. Random logits and settings from a printed seed."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import fresh_seed
+from helpers import TEST_DEVICE, fresh_seed
 
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
@@ -75,8 +76,14 @@ def _ref_sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         drop[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
     noise = torch.empty_like(probs)
-    for i, s in enumerate(seqs):
-        noise[i].exponential_(generator=s.generator)
+    if TEST_DEVICE == "cpu":
+        for i, s in enumerate(seqs):
+            noise[i].exponential_(generator=s.generator)
+    else:  # on CUDA the sampler keys every seeded row's noise by (seed, draw) in one launch: the same here
+        from kernels.sampling import philox_keys, seeded_exponential
+
+        keys = philox_keys([(s.params.seed or 0) + s.index for s in seqs], [s.num_output_tokens for s in seqs])
+        seeded_exponential(noise, torch.arange(len(seqs)), torch.tensor(keys))
     return (probs / noise).argmax(dim=-1)
 
 
@@ -96,6 +103,13 @@ def _ref_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int])
 # ---- the comparison -----------------------------------------------------------------------------------
 
 VOCAB = 512
+
+
+@pytest.fixture(autouse=True)
+def on_test_device() -> Iterator[None]:
+    """Logits and every tensor the tests make on the test device (SLUICE_TEST_DEVICE: cuda on a GPU)."""
+    with torch.device(TEST_DEVICE):
+        yield
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
@@ -124,7 +138,7 @@ def _batch(rng: random.Random, n: int) -> tuple[list[Sequence], list[Sequence], 
         output = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]
         for copy in (ours, ref):
             seq = Sequence(i, f"r{i}", 0, prompt + output, len(prompt), p)
-            seq.generator = torch.Generator().manual_seed(p.seed)
+            seq.generator = torch.Generator(device=TEST_DEVICE).manual_seed(p.seed)
             copy.append(seq)
         stops.append({rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))})
     return ours, ref, stops
