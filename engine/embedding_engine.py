@@ -44,6 +44,7 @@ class EmbeddingConfig:
     truncate: bool = True  # an input over max_model_len: keep its head (True) or fail the request (False)
     pooling: str | None = None  # a plain transformers directory's pooling (mean | cls | max | lasttoken)
     matryoshka: bool | None = None  # None = as the model's config says
+    cpu_linear: str = "auto"  # auto (oneDNN-packed where it runs) | aten | onednn-packed
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -90,7 +91,8 @@ class EmbeddingEngine:
     def __init__(self, model: str, **config: Any) -> None:
         self.config = EmbeddingConfig(**config)
         self.model: EmbeddingModel = load_embedding_model(model, _DTYPES[self.config.dtype], self.config.device,
-                                                          self.config.pooling, self.config.matryoshka)
+                                                          self.config.pooling, self.config.matryoshka,
+                                                          self.config.cpu_linear)
         self.tokenizer = self.model.tokenizer
         self.model_impl = "transformers"
         self.max_model_len = min(self.model.max_len, self.config.max_model_len or self.model.max_len)
@@ -102,9 +104,9 @@ class EmbeddingEngine:
         self.num_steps = 0
         self.num_padded_tokens = 0  # batch * longest, summed over steps
         self.num_tokens = 0  # real tokens embedded
-        log.info("embedding model %s: %s pooling%s, %d dims, max %d tokens", self.model.path.name,
+        log.info("embedding model %s: %s pooling%s, %d dims, max %d tokens, %s linear layers", self.model.path.name,
                  self.model.pooling.mode, " + normalize" if self.model.pooling.normalize else "",
-                 self.dimension, self.max_model_len)
+                 self.dimension, self.max_model_len, self.model.cpu_linear)
 
     # ---- the numbers a puller needs -------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.encoder_linear import use_encoder_cpu_linear
 from engine.models.base import UnsupportedModelError
 from engine.pooling import (
     PoolingConfig,
@@ -95,6 +96,7 @@ class EmbeddingModel:
     vocab_size: int
     device: torch.device
     path: Path
+    cpu_linear: str = "aten"  # how the linear layers run (engine/encoder_linear.py)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -106,9 +108,11 @@ class EmbeddingModel:
 
 
 def load_embedding_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                         pooling: str | None = None, matryoshka: bool | None = None) -> EmbeddingModel:
+                         pooling: str | None = None, matryoshka: bool | None = None,
+                         cpu_linear: str = "auto") -> EmbeddingModel:
     """Load ``model``. ``pooling`` names the pooling of a plain transformers directory (one with a
-    modules.json says its own); ``matryoshka`` overrides whether ``dimensions`` may shorten vectors."""
+    modules.json says its own); ``matryoshka`` overrides whether ``dimensions`` may shorten vectors;
+    ``cpu_linear``: auto (oneDNN-packed where it runs) | aten | onednn-packed."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     path = resolve_embedding_model(model)
@@ -125,8 +129,9 @@ def load_embedding_model(model: str, dtype: torch.dtype = torch.float32, device:
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Embedding needs no attention weights back; SDPA is transformers' fast path on CPU and GPU.
     net = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    linear = use_encoder_cpu_linear(net, cpu_linear, torch.device(device), dtype)
     return EmbeddingModel(net, tokenizer, pcfg, _max_len(pcfg, config, tokenizer), int(config.vocab_size),
-                          torch.device(device), path)
+                          torch.device(device), path, linear)
 
 
 def _max_len(pcfg: PoolingConfig, config: Any, tokenizer: Any) -> int:

@@ -80,6 +80,23 @@ def test_short_inputs_match_sentence_transformers(engine: EmbeddingEngine, st: A
 
 
 @needs_minilm
+def test_packed_linear_layers_and_aten_agree(engine: EmbeddingEngine, st: Any) -> None:
+    """The default CPU path (oneDNN-packed weights, GELU fused into the FFN's first GEMM) is what every
+    other test here compares with sentence-transformers; transformers' own layers give the same vectors."""
+    from engine.linear import onednn_supports
+
+    texts = load_shared_prompts(12)
+    if onednn_supports(torch.float32):
+        assert engine.model.cpu_linear == "onednn-packed"
+        assert type(engine.model.net.encoder.layer[0].intermediate.dense).__name__ == "PackedDenseGelu"
+    plain = EmbeddingEngine("all-MiniLM-L6-v2", cpu_linear="aten")
+    assert plain.model.cpu_linear == "aten"
+    ours = torch.tensor(engine.embed([EmbeddingRequest("p", texts)])[0].embeddings)
+    assert_close(torch.tensor(plain.embed([EmbeddingRequest("a", texts)])[0].embeddings), ours, "aten vs packed")
+    assert_close(ours, st_encode(st, texts), "packed vs sentence-transformers")
+
+
+@needs_minilm
 def test_long_inputs_are_truncated_as_sentence_transformers_does(engine: EmbeddingEngine, st: Any) -> None:
     texts = long_texts(6)
     assert all(len(st.tokenizer(t)["input_ids"]) > 256 for t in texts)
