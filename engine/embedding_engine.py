@@ -216,6 +216,8 @@ class EmbeddingEngine:
     def _tokenize(self, inp: EmbeddingInput, truncate: bool) -> tuple[list[list[int]], int]:
         """The input's token id lists, each within max_model_len, and how many were cut."""
         texts, ids = _split_input(inp)
+        if texts is not None and self.model.pooling.default_prompt:
+            texts = [self.model.pooling.default_prompt + t for t in texts]
         if texts is not None:
             # One token past the limit tells a long text apart without tokenizing all of a huge one.
             ids = self._encode(texts, self.max_model_len + 1)

@@ -42,6 +42,9 @@ class PoolingConfig:
     # told so. None = any length from 1 to ``dimension``.
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # config_sentence_transformers.json's prompt named by default_prompt_name: sentence-transformers puts
+    # it before every text it encodes unless told otherwise, and so do we (token id inputs stay as given).
+    default_prompt: str = ""
 
 
 def is_sentence_transformers_dir(path: str | Path) -> bool:
@@ -76,7 +79,7 @@ def read_pooling_config(path: str | Path, hf_config: Any) -> PoolingConfig:
     max_len = st.get("max_seq_length")
     return PoolingConfig(mode=mode, normalize=any(k.endswith("Normalize") for k in kinds),
                          max_seq_length=int(max_len) if max_len else None, dimension=dim,
-                         **_matryoshka(hf_config))
+                         default_prompt=_default_prompt(root), **_matryoshka(hf_config))
 
 
 def default_pooling(hf_config: Any, mode: str = "mean", normalize: bool = True) -> PoolingConfig:
@@ -99,6 +102,18 @@ def _pooling_mode(pool: dict[str, Any]) -> str:
     if mode not in POOLING_MODES:
         raise UnsupportedModelError(f"pooling mode {mode!r} is not supported (supported: {', '.join(POOLING_MODES)})")
     return str(mode)
+
+
+def _default_prompt(root: Path) -> str:
+    f = root / "config_sentence_transformers.json"
+    cfg = _read_json(f) if f.is_file() else {}
+    name = cfg.get("default_prompt_name")
+    if not name:
+        return ""
+    prompts = cfg.get("prompts") or {}
+    if name not in prompts:
+        raise UnsupportedModelError(f"{f}: default_prompt_name {name!r} is not one of its prompts")
+    return str(prompts[name])
 
 
 def _matryoshka(hf_config: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -315,6 +316,24 @@ def test_tiny_decoder_truncates_token_ids_and_honours_matryoshka_list(tiny_decod
     assert_close(torch.tensor(short.embeddings), torch.nn.functional.normalize(raw[:, :16], dim=-1), "dimensions=16")
     assert "one of [16, 32, 64]" in (bad.error or "")
     assert refused.finish_reason == "error" and "(48)" in (refused.error or "")
+
+
+def test_tiny_decoder_matches_sentence_transformers_with_its_default_prompt(tiny_decoder: Path, tmp_path: Path) -> None:
+    """sentence-transformers itself on the tiny decoder, with a default prompt that both put before each text."""
+    pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (pip install -e .[embed])")
+    from sentence_transformers import SentenceTransformer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_decoder, model)
+    (model / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "Instruct: find the passage\nQuery: ", "document": ""}, "default_prompt_name": "query"}))
+    texts = load_shared_prompts(6) + ["short"]
+    eng = EmbeddingEngine(str(model))
+    assert eng.model.pooling.default_prompt.startswith("Instruct:")
+    out = eng.embed([EmbeddingRequest("r", texts)])[0]
+    st = SentenceTransformer(str(model), device="cpu")
+    ref = torch.cat([st_encode(st, [t]) for t in texts])  # one at a time: the tokenizer pads on the right
+    assert_close(torch.tensor(out.embeddings), ref, "tiny decoder vs sentence-transformers, default prompt")
 
 
 def test_pooling_config_reading(tiny_decoder: Path, tmp_path: Path) -> None:
