@@ -120,6 +120,7 @@ class LLM:
         arrival = time.time()
         try:
             prompt_ids = self._prompt_ids(request)
+            self._check_token_ids(request)
             self._check_fits(request, prompt_ids)
             grammar = self.guided.compile(request.params)
         except ValueError as e:
@@ -212,6 +213,13 @@ class LLM:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def _check_token_ids(self, request: Request) -> None:
+        """Token ids a request names besides its prompt: outside the vocabulary they would index past
+        the logits in the sampler and fail the whole step (every request in it)."""
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
 
     def _check_fits(self, request: Request, prompt_ids: list[int]) -> None:
         need = len(prompt_ids) + request.params.max_tokens

@@ -85,3 +85,20 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
         assert p.returncode in (1, 2), p.stderr
         assert "Traceback" not in p.stderr
         assert "Error" in p.stderr
+
+
+def test_a_stop_token_outside_the_vocabulary_fails_only_its_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """It passes the line schema (the vocabulary is the model's business); the engine's front door
+    refuses it, so only that request fails. It had been an IndexError in the sampler that ended the
+    whole run with a traceback and no result written."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": "ok1", "prompt": "a b c", "max_tokens": 3},
+             {"custom_id": "bad", "prompt": "a b c", "max_tokens": 3, "stop_token_ids": [10**9]},
+             {"custom_id": "ok2", "prompt": "d e f", "max_tokens": 3}]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
+                                   "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-progress"])
+    assert res.exit_code == EXIT_SOME_FAILED, res.output
+    assert set(_read(out)) == {"ok1", "ok2"}
+    errors = _read(tmp_path / "out.errors.jsonl")
+    assert set(errors) == {"bad"} and "stop_token_ids must be in [0, " in errors["bad"]["error"]["message"]
