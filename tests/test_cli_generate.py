@@ -93,7 +93,7 @@ def test_a_stop_token_outside_the_vocabulary_fails_only_its_line(tiny_model_dir:
     whole run with a traceback and no result written."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"custom_id": "ok1", "prompt": "a b c", "max_tokens": 3},
-             {"custom_id": "bad", "prompt": "a b c", "max_tokens": 3, "stop_token_ids": [10**9]},
+             {"custom_id": "bad", "prompt": "a b c", "max_tokens": 3, "min_tokens": 2, "stop_token_ids": [10**9]},
              {"custom_id": "ok2", "prompt": "d e f", "max_tokens": 3}]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
