@@ -2,12 +2,14 @@
 //
 // One work item is (query tile, KV head): up to 16 consecutive query rows of one sequence (a decode is a
 // tile of one) and the GQA group of query heads each row has on that KV head. The tile walks its keys
-// once, 16 at a time: each row scores the piece (one 16-float dot product per key and head), runs an
-// online softmax (running max and sum per head, the output rescaled when the max grows), then adds the
-// weighted values, all while the piece is in L1; so a key and value row comes from memory once per tile,
-// not once per query row, and the cache is never copied. Items run on torch's own thread pool with a
-// shared counter, costliest first, because item costs vary with context length and a static split idles
-// a core.
+// once, 16 at a time: each row scores the piece (16 keys per register), runs an online softmax (running
+// max and sum per head, the output rescaled when the max grows), then adds the weighted values, all
+// while the piece is in L1; so a key and value row comes from memory once per tile, not once per query
+// row, and the cache is never copied. A tile of several rows first transposes the piece's keys into
+// float (with AVX-512), so each row's 16 scores cost one FMA per dimension and no horizontal sums; a
+// decode reads them in place, where the transpose would cost more than it saves. Items run on torch's
+// own thread pool with a shared counter, costliest first, because item costs vary with context length
+// and a static split idles a core.
 //
 // Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
 // are not separate worlds here either.
@@ -107,6 +109,41 @@ inline void block_scores16(const float* q, const T* k, int64_t k_tok, int64_t n,
       for (int c = 1; c < NC; ++c) a[j] = _mm512_fmadd_ps(qv[c], load16(row + c * 16), a[j]);
     }
     _mm512_mask_storeu_ps(scores + g * stride, keep, hsum16(a));
+  }
+}
+
+// A piece's keys transposed for a tile: kt[d * 16 + j] = k_j[d] in float (rows past n repeat the last),
+// so that each row's 16 scores are one FMA per dimension, with no horizontal sums. The arithmetic is
+// block_scores16's to the bit: the same per-lane product chains, then the same tree over the lanes that
+// hsum16 adds in, so a row gives the same scores in a tile as alone (a decode).
+template <typename T>
+inline void transpose_keys(const T* k, int64_t k_tok, int64_t n, int64_t dim, float* kt) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  for (int64_t j = 0; j < 16; ++j) {
+    const T* row = k + std::min(j, n - 1) * k_tok;
+    for (int64_t d = 0; d < dim; d += 16) _mm512_i32scatter_ps(kt + d * 16 + j, lanes, load16(row + d), 4);
+  }
+}
+
+template <int NC>
+inline void block_scores_t(const float* q, const float* kt, int64_t group, float* scores, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * NC * 16;
+    __m512 p[16];
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      p[l] = _mm512_mul_ps(_mm512_set1_ps(qg[l]), _mm512_loadu_ps(kt + l * 16));
+#pragma GCC unroll 8
+      for (int c = 1; c < NC; ++c)
+        p[l] = _mm512_fmadd_ps(_mm512_set1_ps(qg[c * 16 + l]), _mm512_loadu_ps(kt + (c * 16 + l) * 16), p[l]);
+    }
+    // hsum16's order: lanes l and l + 2 within each four, then the pairs, then the fours (0+1)+(2+3).
+    __m512 four[4];
+    for (int f = 0; f < 4; ++f)
+      four[f] = _mm512_add_ps(_mm512_add_ps(p[4 * f], p[4 * f + 2]), _mm512_add_ps(p[4 * f + 1], p[4 * f + 3]));
+    _mm512_storeu_ps(scores + g * stride,
+                     _mm512_add_ps(_mm512_add_ps(four[0], four[1]), _mm512_add_ps(four[2], four[3])));
   }
 }
 
@@ -232,24 +269,27 @@ struct Item {
 };
 
 // Per thread: each tile row's scaled query, output accumulator and softmax state, the piece's scores,
-// and (16-bit caches, tiles of several rows) the piece's keys and values widened to float once.
+// (one piece spare: a row whose keys start inside the piece stores a full register past its head's
+// scores), and, for tiles of several rows, the piece's keys (transposed with AVX-512) and 16-bit values
+// in float.
 struct Scratch {
   std::vector<float> qf, acc, m, sum, w, kf, vf;
   Scratch(int64_t rows, int64_t group, int64_t dim, int64_t piece)
       : qf(rows * group * dim), acc(rows * group * dim), m(rows * group), sum(rows * group),
-        w(group * piece), kf(piece * dim), vf(piece * dim) {}
+        w((group + 1) * piece), kf(piece * dim), vf(piece * dim) {}
 };
 
-// One row's heads over keys [lo, lo + n) of a piece: scores, online softmax, weighted values.
-template <int NC, typename K>
-inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const K* v, int64_t v_tok, int64_t n,
-                         int64_t group, int64_t dim, float cap, float* w, float* m, float* sum, float* acc) {
-  constexpr int64_t kPiece = 16;
 #if defined(__AVX512F__)
-  if constexpr (NC > 0) block_scores16<NC>(qf, k, k_tok, n, group, w, kPiece);
-  else
+constexpr bool kHasAvx512 = true;
+#else
+constexpr bool kHasAvx512 = false;
 #endif
-    block_scores_generic<NC>(qf, k, k_tok, n, group, dim, w, kPiece);
+
+// One row's heads, given the scores w[g * 16 + j] of n keys: soft-cap, online softmax, weighted values.
+template <int NC, typename V>
+inline void weigh_values(float* w, const V* v, int64_t v_tok, int64_t n, int64_t group, int64_t dim, float cap,
+                         float* m, float* sum, float* acc) {
+  constexpr int64_t kPiece = 16;
   for (int64_t g = 0; g < group; ++g) {
     float* s = w + g * kPiece;
     if (cap > 0.f)  // soft-capped scores, as Gemma 2 defines them
@@ -263,11 +303,25 @@ inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const K* v,
     block_values_generic<NC>(w, kPiece, v, v_tok, n, group, dim, acc);
 }
 
+// One row's heads over n keys of a piece: scores, then weigh_values.
+template <int NC, typename K, typename V>
+inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const V* v, int64_t v_tok, int64_t n,
+                         int64_t group, int64_t dim, float cap, float* w, float* m, float* sum, float* acc) {
+  constexpr int64_t kPiece = 16;
+#if defined(__AVX512F__)
+  if constexpr (NC > 0) block_scores16<NC>(qf, k, k_tok, n, group, w, kPiece);
+  else
+#endif
+    block_scores_generic<NC>(qf, k, k_tok, n, group, dim, w, kPiece);
+  weigh_values<NC>(w, v, v_tok, n, group, dim, cap, m, sum, acc);
+}
+
 // Query tiling: the tile walks its keys once, 16 at a time, and every row of the tile uses each piece
 // while it is in L1, so a long prompt chunk reads each key and value row from memory once per tile
 // rather than once per query row. Each row keeps to its own keys: (pos - window, pos] (the causal edge
-// and a sliding window cut a piece short per row). Without a window every row sees the same pieces as
-// it would alone, so its result is the same to the bit as a tile of one (a decode).
+// and a sliding window cut a piece short per row). A row's pieces and arithmetic are the same in any
+// tile, so its result is the same to the bit as a tile of one (a decode): a prompt's output does not
+// depend on how the scheduler chunked it or what shared its step.
 template <int NC, typename T>
 void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_tables, const std::vector<Item>& items, const std::vector<Unit>& units,
@@ -315,11 +369,15 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       const int32_t* table = tables + rows[0].seq * table_row;
       const T* k_base = kp + h * k_head;
       const T* v_base = vp + h * v_head;
-      // 16-bit keys and values are widened to float once per piece when several rows will read them.
-      const bool widen = !std::is_same_v<T, float> && count > 1;
+      // With AVX-512 a tile of several rows puts the piece's keys, transposed, (and 16-bit values) in
+      // float once, for all its rows; other builds read them in place (from L1 after the first row).
+      constexpr bool transposed = NC > 0 && kHasAvx512;
+      const bool shared = transposed && count > 1;
       for (int64_t t = first_key(rows[0].pos); t <= last;) {
+        // Pieces end at multiples of 16 keys and at block ends, whichever row walks them: a row's pieces,
+        // and so its softmax's rounding, do not depend on the tile it is in.
         const int64_t off = t % block_size;
-        const int64_t n = std::min({kPiece, block_size - off, last + 1 - t});
+        const int64_t n = std::min({kPiece - t % kPiece, block_size - off, last + 1 - t});
         const int64_t block = table[t / block_size];
         if (t + n <= last) {  // the next piece's keys and values
           const int64_t b = table[(t + n) / block_size], o = (t + n) % block_size;
@@ -328,23 +386,37 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
         }
         const T* k = k_base + block * k_block + off * k_tok;
         const T* v = v_base + block * v_block + off * v_tok;
-        if (widen) {
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t d = 0; d < dim; ++d) {
-              sc.kf[j * dim + d] = to_float(k[j * k_tok + d]);
-              sc.vf[j * dim + d] = to_float(v[j * v_tok + d]);
-            }
+#if defined(__AVX512F__)
+        if constexpr (transposed) {
+          if (shared) {
+            transpose_keys(k, k_tok, n, dim, sc.kf.data());
+            if constexpr (!std::is_same_v<T, float>)
+              for (int64_t j = 0; j < n; ++j)
+                for (int64_t d = 0; d < dim; ++d) sc.vf[j * dim + d] = to_float(v[j * v_tok + d]);
+          }
         }
+#endif
+        const float* vs = std::is_same_v<T, float> ? reinterpret_cast<const float*>(v) : sc.vf.data();
+        const int64_t vs_tok = std::is_same_v<T, float> ? v_tok : dim;
         for (int64_t r = 0; r < count; ++r) {
           const int64_t lo = std::max(t, first_key(rows[r].pos)), hi = std::min(t + n, rows[r].pos + 1);
           if (lo >= hi) continue;  // past this row's causal edge, or before its window
-          float* state[3] = {sc.m.data() + r * group, sc.sum.data() + r * group, sc.acc.data() + r * gd};
-          if (widen)
-            attend_piece<NC>(sc.qf.data() + r * gd, sc.kf.data() + (lo - t) * dim, dim, sc.vf.data() + (lo - t) * dim,
-                             dim, hi - lo, group, dim, cap, sc.w.data(), state[0], state[1], state[2]);
-          else
-            attend_piece<NC>(sc.qf.data() + r * gd, k + (lo - t) * k_tok, k_tok, v + (lo - t) * v_tok, v_tok,
-                             hi - lo, group, dim, cap, sc.w.data(), state[0], state[1], state[2]);
+          float* m = sc.m.data() + r * group;
+          float* sum = sc.sum.data() + r * group;
+          float* acc = sc.acc.data() + r * gd;
+          const float* qr = sc.qf.data() + r * gd;
+          if (!shared) {
+            attend_piece<NC>(qr, k + (lo - t) * k_tok, k_tok, v + (lo - t) * v_tok, v_tok, hi - lo, group, dim, cap,
+                             sc.w.data(), m, sum, acc);
+            continue;
+          }
+#if defined(__AVX512F__)
+          if constexpr (transposed) {  // all 16 scores, then the row's own keys [lo, hi) of them
+            block_scores_t<NC>(qr, sc.kf.data(), group, sc.w.data(), kPiece);
+            weigh_values<NC>(sc.w.data() + (lo - t), vs + (lo - t) * vs_tok, vs_tok, hi - lo, group, dim, cap, m,
+                             sum, acc);
+          }
+#endif
         }
         t += n;
       }
