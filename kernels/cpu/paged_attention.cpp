@@ -116,14 +116,45 @@ inline void block_scores16(const float* q, const T* k, int64_t k_tok, int64_t n,
 // so that each row's 16 scores are one FMA per dimension, with no horizontal sums. The arithmetic is
 // block_scores16's to the bit: the same per-lane product chains, then the same tree over the lanes that
 // hsum16 adds in, so a row gives the same scores in a tile as alone (a decode).
+// out[d] = lane d of every r[j]: a 16 x 16 transpose in registers (four rounds of 16 shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // lanes of rows 2i, 2i + 1 interleaved
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // u[4q + k], each 128-bit lane L: element 4L + k of rows 4q .. 4q + 3
+    u[4 * q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+    u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+    u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+    u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into r[4L + k]
+    const __m512 even_a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), odd_a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 even_b = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 odd_b = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(even_a, even_b, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(even_a, even_b, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(odd_a, odd_b, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(odd_a, odd_b, 0xDD);
+  }
+}
+
 template <typename T>
 inline void transpose_keys(const T* k, int64_t k_tok, int64_t n, int64_t dim, float* kt) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-  for (int64_t j = 0; j < 16; ++j) {
-    const T* row = k + std::min(j, n - 1) * k_tok;
-    for (int64_t d = 0; d < dim; d += 16) _mm512_i32scatter_ps(kt + d * 16 + j, lanes, load16(row + d), 4);
+  for (int64_t c = 0; c < dim; c += 16) {
+    __m512 r[16];
+    for (int64_t j = 0; j < 16; ++j) r[j] = load16(k + std::min(j, n - 1) * k_tok + c);
+    transpose16(r);
+    for (int64_t d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (c + d) * 16, r[d]);
   }
+}
+
+// n value rows in float, for the tile's rows to read without converting each time.
+template <typename T>
+inline void widen_values(const T* v, int64_t v_tok, int64_t n, int64_t dim, float* vf) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(vf + j * dim + c, load16(v + j * v_tok + c));
 }
 
 template <int NC>
@@ -390,9 +421,7 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
         if constexpr (transposed) {
           if (shared) {
             transpose_keys(k, k_tok, n, dim, sc.kf.data());
-            if constexpr (!std::is_same_v<T, float>)
-              for (int64_t j = 0; j < n; ++j)
-                for (int64_t d = 0; d < dim; ++d) sc.vf[j * dim + d] = to_float(v[j * v_tok + d]);
+            if constexpr (!std::is_same_v<T, float>) widen_values(v, v_tok, n, dim, sc.vf.data());
           }
         }
 #endif
