@@ -45,7 +45,6 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import workloads  # noqa: E402  (bench/workloads.py, beside this file)
 
-PROMPTS = workloads.PROMPTS
 OUT = HERE / "out"
 DTYPES = ("float32", "bfloat16")
 SYSTEMS = ("hf-static", "sluice-static", "sluice", "ceiling", "vllm", "hf-generate-batch")
@@ -62,10 +61,6 @@ LABELS = {
 
 
 # ---- the workload ------------------------------------------------------------------------------
-def load_prompts(n: int) -> list[str]:
-    return [r["turns"][0] for r in workloads.cycle(workloads.read_rows(PROMPTS), n)]
-
-
 def write_workload(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The token ids and sampling settings every system gets, and the Hugging Face directory vLLM loads
     (written once from the GGUF by the project's loader)."""
