@@ -100,7 +100,7 @@ def main() -> None:
 
     llm = build_llm(w["model_dir"], args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory,
                     args.profile)
-    generate(llm, [w["prompt_token_ids"][0][:8]], 4, GREEDY)  # warm-up, as bench/run_system.py does for the others
+    generate(llm, [w["prompt_token_ids"][0][:8]], 4, sampling(w))  # warm-up, as bench/run_system.py does for the others
     t = time.perf_counter()
     outputs = generate(llm, w["prompt_token_ids"], w["max_tokens"], sampling(w))
     secs = time.perf_counter() - t
