@@ -5,11 +5,10 @@
 // once, 16 at a time: each row scores the piece (16 keys per register), runs an online softmax (running
 // max and sum per head, the output rescaled when the max grows), then adds the weighted values, all
 // while the piece is in L1; so a key and value row comes from memory once per tile, not once per query
-// row, and the cache is never copied. A tile of several rows first transposes the piece's keys into
-// float (with AVX-512), so each row's 16 scores cost one FMA per dimension and no horizontal sums; a
-// decode reads them in place, where the transpose would cost more than it saves. Items run on torch's
-// own thread pool with a shared counter, costliest first, because item costs vary with context length
-// and a static split idles a core.
+// row, and the cache is never copied. (Transposing each piece into float for the tile, so a row's
+// scores need no horizontal sums, measured no faster: bench/attention_micro.py, issue 28.) Items run on
+// torch's own thread pool with a shared counter, costliest first, because item costs vary with context
+// length and a static split idles a core.
 //
 // Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
 // are not separate worlds here either.
@@ -24,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -109,72 +107,6 @@ inline void block_scores16(const float* q, const T* k, int64_t k_tok, int64_t n,
       for (int c = 1; c < NC; ++c) a[j] = _mm512_fmadd_ps(qv[c], load16(row + c * 16), a[j]);
     }
     _mm512_mask_storeu_ps(scores + g * stride, keep, hsum16(a));
-  }
-}
-
-// A piece's keys transposed for a tile: kt[d * 16 + j] = k_j[d] in float (rows past n repeat the last),
-// so that each row's 16 scores are one FMA per dimension, with no horizontal sums. The arithmetic is
-// block_scores16's to the bit: the same per-lane product chains, then the same tree over the lanes that
-// hsum16 adds in, so a row gives the same scores in a tile as alone (a decode).
-// out[d] = lane d of every r[j]: a 16 x 16 transpose in registers (four rounds of 16 shuffles).
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // lanes of rows 2i, 2i + 1 interleaved
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int q = 0; q < 4; ++q) {  // u[4q + k], each 128-bit lane L: element 4L + k of rows 4q .. 4q + 3
-    u[4 * q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
-    u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
-    u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
-    u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
-  }
-  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into r[4L + k]
-    const __m512 even_a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), odd_a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
-    const __m512 even_b = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512 odd_b = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-    r[k] = _mm512_shuffle_f32x4(even_a, even_b, 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(even_a, even_b, 0xDD);
-    r[4 + k] = _mm512_shuffle_f32x4(odd_a, odd_b, 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(odd_a, odd_b, 0xDD);
-  }
-}
-
-template <typename T>
-inline void transpose_keys(const T* k, int64_t k_tok, int64_t n, int64_t dim, float* kt) {
-  for (int64_t c = 0; c < dim; c += 16) {
-    __m512 r[16];
-    for (int64_t j = 0; j < 16; ++j) r[j] = load16(k + std::min(j, n - 1) * k_tok + c);
-    transpose16(r);
-    for (int64_t d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (c + d) * 16, r[d]);
-  }
-}
-
-// n value rows in float, for the tile's rows to read without converting each time.
-template <typename T>
-inline void widen_values(const T* v, int64_t v_tok, int64_t n, int64_t dim, float* vf) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(vf + j * dim + c, load16(v + j * v_tok + c));
-}
-
-template <int NC>
-inline void block_scores_t(const float* q, const float* kt, int64_t group, float* scores, int64_t stride) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * NC * 16;
-    __m512 p[16];
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) {
-      p[l] = _mm512_mul_ps(_mm512_set1_ps(qg[l]), _mm512_loadu_ps(kt + l * 16));
-#pragma GCC unroll 8
-      for (int c = 1; c < NC; ++c)
-        p[l] = _mm512_fmadd_ps(_mm512_set1_ps(qg[c * 16 + l]), _mm512_loadu_ps(kt + (c * 16 + l) * 16), p[l]);
-    }
-    // hsum16's order: lanes l and l + 2 within each four, then the pairs, then the fours (0+1)+(2+3).
-    __m512 four[4];
-    for (int f = 0; f < 4; ++f)
-      four[f] = _mm512_add_ps(_mm512_add_ps(p[4 * f], p[4 * f + 2]), _mm512_add_ps(p[4 * f + 1], p[4 * f + 3]));
-    _mm512_storeu_ps(scores + g * stride,
-                     _mm512_add_ps(_mm512_add_ps(four[0], four[1]), _mm512_add_ps(four[2], four[3])));
   }
 }
 
@@ -299,22 +231,12 @@ struct Item {
   int64_t pos;  // its position in the sequence
 };
 
-// Per thread: each tile row's scaled query, output accumulator and softmax state, the piece's scores,
-// (one piece spare: a row whose keys start inside the piece stores a full register past its head's
-// scores), and, for tiles of several rows, the piece's keys (transposed with AVX-512) and 16-bit values
-// in float.
+// Per thread: each tile row's scaled query, output accumulator and softmax state, and the piece's scores.
 struct Scratch {
-  std::vector<float> qf, acc, m, sum, w, kf, vf;
+  std::vector<float> qf, acc, m, sum, w;
   Scratch(int64_t rows, int64_t group, int64_t dim, int64_t piece)
-      : qf(rows * group * dim), acc(rows * group * dim), m(rows * group), sum(rows * group),
-        w((group + 1) * piece), kf(piece * dim), vf(piece * dim) {}
+      : qf(rows * group * dim), acc(rows * group * dim), m(rows * group), sum(rows * group), w(group * piece) {}
 };
-
-#if defined(__AVX512F__)
-constexpr bool kHasAvx512 = true;
-#else
-constexpr bool kHasAvx512 = false;
-#endif
 
 // One row's heads, given the scores w[g * 16 + j] of n keys: soft-cap, online softmax, weighted values.
 template <int NC, typename V>
@@ -400,10 +322,6 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       const int32_t* table = tables + rows[0].seq * table_row;
       const T* k_base = kp + h * k_head;
       const T* v_base = vp + h * v_head;
-      // With AVX-512 a tile of several rows puts the piece's keys, transposed, (and 16-bit values) in
-      // float once, for all its rows; other builds read them in place (from L1 after the first row).
-      constexpr bool transposed = NC > 0 && kHasAvx512;
-      const bool shared = transposed && count > 1;
       for (int64_t t = first_key(rows[0].pos); t <= last;) {
         // Pieces end at multiples of 16 keys and at block ends, whichever row walks them: a row's pieces,
         // and so its softmax's rounding, do not depend on the tile it is in.
@@ -417,35 +335,14 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
         }
         const T* k = k_base + block * k_block + off * k_tok;
         const T* v = v_base + block * v_block + off * v_tok;
-#if defined(__AVX512F__)
-        if constexpr (transposed) {
-          if (shared) {
-            transpose_keys(k, k_tok, n, dim, sc.kf.data());
-            if constexpr (!std::is_same_v<T, float>) widen_values(v, v_tok, n, dim, sc.vf.data());
-          }
-        }
-#endif
-        const float* vs = std::is_same_v<T, float> ? reinterpret_cast<const float*>(v) : sc.vf.data();
-        const int64_t vs_tok = std::is_same_v<T, float> ? v_tok : dim;
         for (int64_t r = 0; r < count; ++r) {
           const int64_t lo = std::max(t, first_key(rows[r].pos)), hi = std::min(t + n, rows[r].pos + 1);
           if (lo >= hi) continue;  // past this row's causal edge, or before its window
           float* m = sc.m.data() + r * group;
           float* sum = sc.sum.data() + r * group;
           float* acc = sc.acc.data() + r * gd;
-          const float* qr = sc.qf.data() + r * gd;
-          if (!shared) {
-            attend_piece<NC>(qr, k + (lo - t) * k_tok, k_tok, v + (lo - t) * v_tok, v_tok, hi - lo, group, dim, cap,
-                             sc.w.data(), m, sum, acc);
-            continue;
-          }
-#if defined(__AVX512F__)
-          if constexpr (transposed) {  // all 16 scores, then the row's own keys [lo, hi) of them
-            block_scores_t<NC>(qr, sc.kf.data(), group, sc.w.data(), kPiece);
-            weigh_values<NC>(sc.w.data() + (lo - t), vs + (lo - t) * vs_tok, vs_tok, hi - lo, group, dim, cap, m,
-                             sum, acc);
-          }
-#endif
+          attend_piece<NC>(sc.qf.data() + r * gd, k + (lo - t) * k_tok, k_tok, v + (lo - t) * v_tok, v_tok, hi - lo,
+                           group, dim, cap, sc.w.data(), m, sum, acc);
         }
         t += n;
       }
