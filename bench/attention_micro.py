@@ -1,8 +1,9 @@
 """Decode (or, with ``--query-len``, prompt-chunk) attention alone: the C++ op over ``--layers`` separate caches (so the K/V come from DRAM, as
 in a real step), against a plain sum over as many bytes as a bandwidth yardstick.
 
-Compare kernel versions in one process, alternating, best of ``--rounds``, e.g. the current source
-against one from an older commit:
+Compare kernel versions in one process, alternating, best of ``--rounds``, and the median over rounds
+of each source's time over the first's (on a busy machine the ratio of neighbouring runs says more than
+either time), e.g. the current source against one from an older commit:
 
     git show HEAD~5:kernels/cpu/paged_attention.cpp > /tmp/old.cpp
     python bench/attention_micro.py --sources /tmp/old.cpp,kernels/cpu/paged_attention.cpp
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,15 +81,22 @@ def main() -> None:
         return time.perf_counter() - t
 
     best: dict[str, float] = {}
+    ratios: dict[str, list[float]] = {str(s): [] for s in sources}
     for _ in range(args.rounds):
+        this: dict[str, float] = {}
         for name, fn in [*((str(s), lambda op=op: all_layers(op)) for s, op in zip(sources, ops, strict=True)),
                          ("sum over as many bytes", lambda: yardstick.sum())]:
-            best[name] = min(best.get(name, float("inf")), seconds(fn))
+            this[name] = seconds(fn)
+            best[name] = min(best.get(name, float("inf")), this[name])
+        for s in ratios:
+            ratios[s].append(this[s] / this[str(sources[0])])
     print(f"{args.layers} layers, batch {args.batch}, context ~{args.context}, {args.query_len} query rows each, "
           f"{args.dtype}: "
           f"{nbytes / 1e9:.2f} GB of K/V; best of {args.rounds}")
     for name, s in best.items():
         print(f"  {s * 1e3:8.1f} ms  {nbytes / s / 1e9:5.1f} GB/s  {name}")
+    for name, rs in list(ratios.items())[1:]:
+        print(f"  median time ratio {statistics.median(rs):.3f} (rounds {min(rs):.3f}-{max(rs):.3f}): {name} / {sources[0]}")
 
 
 if __name__ == "__main__":

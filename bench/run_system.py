@@ -40,23 +40,35 @@ def hf_eos(model: Any) -> set[int]:
     return {ids} if isinstance(ids, int) else set(ids or [])
 
 
-def hf_static(model: Any, pad: int, ids: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+def hf_static(model: Any, tok: Any, pad: int, ids: list[list[int]], max_tokens: int,
+              s: dict[str, Any]) -> list[list[int]]:
+    """Left-padded batches of HF_BATCH prompts (each sampled ``n`` times: transformers repeats the prompt
+    rather than sharing its prefill). transformers cannot seed per request: one seed for the run."""
     eos, outputs = hf_eos(model), []
+    if s["seed"] is not None:
+        torch.manual_seed(s["seed"])
+    sample = s["temperature"] > 0
+    kw: dict[str, Any] = {"do_sample": sample, "num_return_sequences": s["n"], "pad_token_id": pad}
+    if sample:
+        kw.update(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] or None)
+    if s["stop"]:
+        kw.update(stop_strings=s["stop"], tokenizer=tok)
+    stops = eos | ({pad} if s["stop"] else set())  # a row stopped by a stop string is padded after it
     for i in range(0, len(ids), HF_BATCH):
         chunk = ids[i : i + HF_BATCH]
         width = max(map(len, chunk))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 do_sample=temperature > 0, temperature=temperature or None, pad_token_id=pad)
-        outputs += [until_eos(row[width:].tolist(), eos) for row in out]
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens, **kw)
+        outputs += [until_eos(row[width:].tolist(), stops) for row in out]
     return outputs
 
 
-def hf_generate_batch(model: Any, ids: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+def hf_generate_batch(model: Any, ids: list[list[int]], max_tokens: int, s: dict[str, Any]) -> list[list[int]]:
     from transformers import GenerationConfig
 
+    temperature = s["temperature"]
     cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or None,
                            eos_token_id=sorted(hf_eos(model)))
     with torch.inference_mode():
@@ -69,13 +81,17 @@ def _request_index(request_id: str) -> int:
 
 
 # ---- Sluice ------------------------------------------------------------------------------------
-def sluice_generate(llm: Any, ids: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+def sluice_generate(llm: Any, ids: list[list[int]], max_tokens: int, s: dict[str, Any]) -> list[list[int]]:
+    """Every sample of every request, request by request; a seed per request (seed + its index)."""
     from engine.outputs import Request
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
-    reqs = [Request(f"b{i}", prompt_token_ids=x, params=params) for i, x in enumerate(ids)]
-    return [c.token_ids for c in llm.generate(reqs)]
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                              n=s["n"], stop=list(s["stop"]), seed=None if s["seed"] is None else s["seed"] + i)
+
+    reqs = [Request(f"b{i}", prompt_token_ids=x, params=params(i)) for i, x in enumerate(ids)]
+    return [o.token_ids for c in llm.generate(reqs) for o in c.outputs]
 
 
 # ---- the ceiling -------------------------------------------------------------------------------
@@ -97,7 +113,13 @@ def matmul_ceiling(cfg: Any, dtype: torch.dtype, batch: int = 256, reps: int = 5
 
 
 # ---- running one system ------------------------------------------------------------------------
-Generate = Callable[[list[list[int]], int, float], list[list[int]]]
+Generate = Callable[[list[list[int]], int, dict[str, Any]], list[list[int]]]
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "n": 1, "seed": None, "stop": []}
+
+
+def sampling(w: dict[str, Any]) -> dict[str, Any]:
+    """The workload's sampling settings (a workload written before --workload has a temperature only)."""
+    return w.get("sampling") or {**GREEDY, "temperature": w["temperature"], "seed": 0 if w["temperature"] else None}
 
 
 def prepare(args: argparse.Namespace, w: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
@@ -106,10 +128,10 @@ def prepare(args: argparse.Namespace, w: dict[str, Any]) -> tuple[Generate, dict
     if args.system in ("hf-static", "hf-generate-batch"):
         model = load_hf_model(w["model"], dtype).eval()
         if args.system == "hf-generate-batch":
-            return (lambda ids, n, t: hf_generate_batch(model, ids, n, t)), {}
+            return (lambda ids, n, s: hf_generate_batch(model, ids, n, s)), {}
         tok = load_tokenizer(w["model"])
         pad = tok.pad_token_id if tok.pad_token_id is not None else min(hf_eos(model))
-        return (lambda ids, n, t: hf_static(model, pad, ids, n, t)), {"batch": HF_BATCH}
+        return (lambda ids, n, s: hf_static(model, tok, pad, ids, n, s)), {"batch": HF_BATCH}
     from engine.llm import LLM
 
     kw: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
@@ -121,7 +143,19 @@ def prepare(args: argparse.Namespace, w: dict[str, Any]) -> tuple[Generate, dict
         kw.update(policy="static", max_num_seqs=HF_BATCH)
     llm = LLM(w["model"], **kw)
     settings = {k: v for k, v in kw.items() if k != "dtype"}
-    return (lambda ids, n, t: sluice_generate(llm, ids, n, t)), {"settings": settings, "engine": llm}
+    return (lambda ids, n, s: sluice_generate(llm, ids, n, s)), {"settings": settings, "engine": llm}
+
+
+def fault_in_kv_cache(engine: Any) -> None:
+    """Touch all of Sluice's CPU KV cache before the clock starts: the engine faults in only its first
+    blocks at start-up (engine/huge_pages.py) and the rest on first write, which a long run pays inside
+    its steps and vLLM pays at start-up. Not yet written, so zeroing it changes nothing."""
+    if engine is None or engine.device.type != "cpu":
+        return
+    with torch.inference_mode():
+        for k, v in engine.runner.kv_caches:
+            k.zero_()
+            v.zero_()
 
 
 def run(args: argparse.Namespace, w: dict[str, Any]) -> dict[str, Any]:
@@ -131,12 +165,13 @@ def run(args: argparse.Namespace, w: dict[str, Any]) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(w["model_dir"])
         return {"ceiling": matmul_ceiling(cfg, DTYPES[args.dtype])}
     generate, info = prepare(args, w)
+    fault_in_kv_cache(info.get("engine"))
     ids = w["prompt_token_ids"]
-    generate([ids[0][:8]], 4, 0.0)  # warm-up: first-call costs (allocation, kernel selection) off the clock
+    generate([ids[0][:8]], 4, sampling(w))  # warm-up, on the run's own sampling path: first-call costs off the clock
     engine = info.pop("engine", None)
     steps0 = engine.num_steps if engine is not None else 0
     t = time.perf_counter()
-    outputs = generate(ids, w["max_tokens"], w["temperature"])
+    outputs = generate(ids, w["max_tokens"], sampling(w))
     secs = time.perf_counter() - t
     tokens = sum(map(len, outputs))
     result = {"seconds": secs, "output_tokens": tokens, "prompts": len(outputs), "tokens_per_s": tokens / secs,

@@ -4,6 +4,13 @@
     python bench/throughput.py --dtype bfloat16 --num-prompts 16 --max-tokens 32
     python bench/throughput.py --systems sluice,vllm --tag quick
     python bench/throughput.py --sweep max-num-seqs --dtype float32      # Sluice continuous at 4 ... 256
+    python bench/throughput.py --workload sampled --tag sampled          # T=0.8, top_p .95, top_k 50, n=4, seeded
+    python bench/throughput.py --workload long-prompt --tag long         # 100 prompts of 1.5-3k tokens x 64
+    python bench/throughput.py --workload few-shot --tag few-shot        # a ~1,000-token shared prefix, stop strings
+
+Workloads (``--workload``, bench/workloads.py says how each is built): chat (the default: one-turn chat
+prompts, greedy), sampled, long-prompt and few-shot; ``--num-prompts`` and ``--max-tokens`` default to
+the workload's own (chat 160 x 256, sampled 64 x 256 with n=4, long-prompt 100 x 64, few-shot 160 x 128).
 
 Systems (``--systems``): hf-static (transformers, left-padded static batches of 16), sluice-static
 (``--policy static``, cohorts of 16), sluice (continuous), ceiling (tokens/s if a decode step were
@@ -12,8 +19,9 @@ its own venv made by bench/vllm_env.sh on first use; both cores, tcmalloc and li
 hf-generate-batch (transformers' own continuous batching; slow on CPU, not run by default).
 
 Every system runs in a fresh process of its own (bench/run_system.py; vLLM: bench/vllm_run.py) on the
-same chat token ids and max_tokens, greedy, after one short warm-up; output tokens are counted up to
-and including EOS. A system that cannot be installed or run is reported as such and the rest go on.
+same token ids, max_tokens and sampling settings, after one short warm-up; output tokens are counted up
+to and including EOS, over every sample; prompt tokens/s counts each prompt once (a prefix shared by
+several prompts counts in each). A system that cannot be installed or run is reported as such and the rest go on.
 Writes to bench/out/: TAG.json (everything), TAG.md (the table, ready for the README), TAG.png, and with
 --sweep also TAG.csv; each child's log goes to bench/out/logs/.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import platform
@@ -33,7 +42,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
+sys.path.insert(0, str(HERE))
+import workloads  # noqa: E402  (bench/workloads.py, beside this file)
+
 OUT = HERE / "out"
 DTYPES = ("float32", "bfloat16")
 SYSTEMS = ("hf-static", "sluice-static", "sluice", "ceiling", "vllm", "hf-generate-batch")
@@ -50,26 +61,16 @@ LABELS = {
 
 
 # ---- the workload ------------------------------------------------------------------------------
-def load_prompts(n: int) -> list[str]:
-    rows = []
-    for name in ("vicuna_bench.jsonl", "mt_bench.jsonl"):
-        f = PROMPTS / name
-        if not f.exists():
-            raise SystemExit(f"{f} not found: the benchmark reads the shared prompt sets beside the project")
-        rows += [json.loads(x)["turns"][0] for x in f.read_text().splitlines() if x.strip()]
-    return (rows * (n // len(rows) + 1))[:n]
-
-
 def write_workload(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    """The chat token ids every system gets, and the Hugging Face directory vLLM loads (written once
-    from the GGUF by the project's loader)."""
+    """The token ids and sampling settings every system gets, and the Hugging Face directory vLLM loads
+    (written once from the GGUF by the project's loader)."""
     from engine.loader import dense_path, load_tokenizer, resolve_model
 
     tok = load_tokenizer(args.model)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for p in load_prompts(args.num_prompts)]
+    ids = workloads.build(args.workload, tok, args.num_prompts)
     w = {"model": args.model, "model_dir": dense_path(resolve_model(args.model)), "prompt_token_ids": ids,
-         "max_tokens": args.max_tokens, "temperature": args.temperature}
+         "max_tokens": args.max_tokens, "temperature": args.temperature, "workload": args.workload,
+         "sampling": workloads.sampling_dict(args.sampling)}
     path.write_text(json.dumps(w))
     return w
 
@@ -189,7 +190,15 @@ def run_system(system: str, dtype: str, args: argparse.Namespace, workload: Path
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         return {"system": system, "dtype": dtype, "error": f"exit {rc} after {time.time() - t:.0f}s; log {log}: "
                 + " | ".join(tail)}
-    return json.loads(result.read_text())
+    return with_prompt_rate(json.loads(result.read_text()), json.loads(workload.read_text())["prompt_token_ids"])
+
+
+def with_prompt_rate(r: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    """A run's prompt tokens (each prompt once) and their rate over its whole run."""
+    if "seconds" not in r:
+        return r
+    tokens = sum(map(len, prompts))
+    return {**r, "prompt_tokens": tokens, "prompt_tokens_per_s": tokens / r["seconds"]}
 
 
 def show(r: dict[str, Any]) -> None:
@@ -200,8 +209,9 @@ def show(r: dict[str, Any]) -> None:
         print(f"  {r['dtype']:9s} {r['system']:18s} {c['tokens_per_s']:8.1f} tok/s ({c['gflops']:.0f} GFLOP/s at "
               f"batch {c['batch']})", flush=True)
     else:
+        prompt = f", {r['prompt_tokens_per_s']:.1f} prompt tok/s" if "prompt_tokens_per_s" in r else ""
         print(f"  {r['dtype']:9s} {r['system']:18s} {r['tokens_per_s']:8.1f} tok/s ({r['output_tokens']} tokens, "
-              f"{r['prompts']} prompts, {r['seconds']:.1f}s)", flush=True)
+              f"{r['prompts']} outputs, {r['seconds']:.1f}s{prompt})", flush=True)
     if "profile" in r:
         print(f"  {r['dtype']:9s} {r['system']:18s} profile: {profile_text(r['profile'])} (table in {r['profile_dir']})")
 
@@ -269,6 +279,16 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], 
         lines.append(f"| {name.removeprefix('continuous / ')} | " + " | ".join(cells) + " |")
     checks = {d: token_check(results[d]) for d in dtypes}
     lines.append("| same output token count | " + " | ".join(_check(checks[d]) for d in dtypes) + " |")
+    lines += ["", "| system | " + " | ".join(f"{d} prompt tok/s" for d in dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    for s in systems:
+        if s == "ceiling":
+            continue
+        cells = [f"{v:,.1f}" if (v := results[d].get(s, {}).get("prompt_tokens_per_s")) is not None else "-"
+                 for d in dtypes]
+        lines.append(f"| {label(s, results, args)} | " + " | ".join(cells) + " |")
+    if args.sampling.seed is not None and "vllm" in systems:
+        lines.append("\nvLLM's CPU build refuses a seed per request: it samples unseeded; the others seed each "
+                     "request (transformers: one seed for the run).")
     for d in dtypes:
         if "profile" in results[d].get("vllm", {}):
             lines.append(f"\nvLLM {d}, a few decode steps under its profiler: {profile_text(results[d]['vllm']['profile'])}.")
@@ -289,10 +309,26 @@ def _check(c: dict[str, Any]) -> str:
     return "no: " + ", ".join(f"{n} {v:,}" for n, v in c["counts"].items())
 
 
+WORKLOAD_TEXT = {
+    "chat": "one-turn chat prompts",
+    "sampled": "one-turn chat prompts",
+    "long-prompt": "long prompts (1,500-3,000 tokens: prompt-set questions, then \"summarise\")",
+    "few-shot": "few-shot prompts (a ~1,000-token shared prefix of worked examples + a question; stop at "
+                "\"Question:\")",
+}
+
+
 def header(args: argparse.Namespace, m: dict[str, Any], torch_version: str) -> str:
-    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    return (f"{args.num_prompts} one-turn chat prompts x {args.max_tokens} new tokens, {mode}, each system in its "
-            f"own process; {describe_cpu(m)}; torch {torch_version}; {time.strftime('%Y-%m-%d')}.")
+    s = args.sampling
+    mode = "greedy" if s.temperature == 0 else f"temperature {s.temperature}"
+    if s.temperature and (s.top_p < 1 or s.top_k):
+        mode += f", top_p {s.top_p}, top_k {s.top_k}"
+    if s.n > 1:
+        mode += f", n={s.n} per prompt"
+    if s.temperature and s.seed is not None:
+        mode += ", a seed per request"
+    return (f"{args.num_prompts} {WORKLOAD_TEXT[args.workload]} x {args.max_tokens} new tokens, {mode}, each system "
+            f"in its own process; {describe_cpu(m)}; torch {torch_version}; {time.strftime('%Y-%m-%d')}.")
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -371,10 +407,12 @@ def _pyplot() -> Any:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="as for sluice --model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="chat", help="see bench/workloads.py")
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
-    p.add_argument("--num-prompts", type=int, default=160)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--num-prompts", type=int, default=None, help="default: the workload's (chat: 160)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the workload's (chat: 256)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the workload's (0 = greedy; sampled: 0.8); a seed per request when above 0")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Sluice continuous and vLLM")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -390,6 +428,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="seconds for each system's process")
     p.add_argument("--tag", default="throughput", help="name of the files written to bench/out/")
     args = p.parse_args(argv)
+    d = workloads.DEFAULTS[args.workload]
+    args.num_prompts = d.num_prompts if args.num_prompts is None else args.num_prompts
+    args.max_tokens = d.max_tokens if args.max_tokens is None else args.max_tokens
+    if args.temperature is None:
+        args.temperature = d.sampling.temperature
+    args.sampling = dataclasses.replace(d.sampling, temperature=args.temperature,
+                                        seed=d.sampling.seed if d.sampling.seed is not None or not args.temperature else 0)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:

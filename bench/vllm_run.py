@@ -36,20 +36,32 @@ def build_llm(model_dir: str, dtype: str, max_num_seqs: int, max_num_batched_tok
                kv_cache_memory_bytes=kv_bytes, **kw)
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "n": 1, "seed": None, "stop": []}
+
+
+def sampling(w: dict[str, Any]) -> dict[str, Any]:
+    """The workload's sampling settings (a workload written before --workload has a temperature only)."""
+    return w.get("sampling") or {**GREEDY, "temperature": w["temperature"], "seed": 0 if w["temperature"] else None}
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int, s: dict[str, Any]) -> list[list[int]]:
+    """Every sample of every prompt, prompt by prompt. Unseeded: vLLM's CPU build refuses a seed per
+    request, so it samples from its engine-wide seed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
+    kw: dict[str, Any] = {"top_k": s["top_k"]} if s["top_k"] else {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"], n=s["n"],
+                            stop=list(s["stop"]) or None, **kw)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [list(c.token_ids) for o in outs for c in o.outputs]
 
 
-def profile(llm: Any, prompts: list[list[int]], max_tokens: int, temperature: float, steps: int) -> None:
+def profile(llm: Any, prompts: list[list[int]], max_tokens: int, s: dict[str, Any], steps: int) -> None:
     """A few decode steps of the full batch under vLLM's profiler (it writes its own table)."""
     # Skip the prefill steps: the decode steps at full batch are what the timed run is made of.
     llm.start_profile(delay_iterations=4, max_iterations=steps)
-    generate(llm, prompts, min(max_tokens, steps + 8), temperature)
+    generate(llm, prompts, min(max_tokens, steps + 8), s)
     llm.stop_profile()
 
 
@@ -88,18 +100,18 @@ def main() -> None:
 
     llm = build_llm(w["model_dir"], args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory,
                     args.profile)
-    generate(llm, [w["prompt_token_ids"][0][:8]], 4, 0.0)  # warm-up, as bench/run_system.py does for the others
+    generate(llm, [w["prompt_token_ids"][0][:8]], 4, sampling(w))  # warm-up, as bench/run_system.py does for the others
     t = time.perf_counter()
-    outputs = generate(llm, w["prompt_token_ids"], w["max_tokens"], w["temperature"])
+    outputs = generate(llm, w["prompt_token_ids"], w["max_tokens"], sampling(w))
     secs = time.perf_counter() - t
     tokens = sum(map(len, outputs))
     result = {"system": "vllm", "dtype": args.dtype, "seconds": secs, "output_tokens": tokens,
               "prompts": len(outputs), "tokens_per_s": tokens / secs, "outputs": outputs,
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-              "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+              "seeded": False, "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
               "settings": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}}
     if args.profile:
-        profile(llm, w["prompt_token_ids"], w["max_tokens"], w["temperature"], args.profile_steps)
+        profile(llm, w["prompt_token_ids"], w["max_tokens"], sampling(w), args.profile_steps)
         result["profile_dir"] = args.profile
         tables = sorted(Path(args.profile).glob("*profiler_out.txt"))
         if tables:

@@ -3,7 +3,8 @@
 CPUs differ: with AMX, bfloat16 matmuls are several times faster than float32; with AVX512-BF16 alone
 they measured slower on some machines; without either they are emulated. So it is measured, once per
 process: one decoder layer's matmuls at the model's shapes and attention over a paged cache, at a
-decode batch, in each dtype, interleaved and best-of-N so a busy machine skews both alike. Each dtype's
+decode batch, in each dtype, interleaved and best-of-N so a busy machine skews both alike; the choice is
+kept across runs (engine/tuning_cache.py, keyed by CPU, torch build, the layer's shapes and the kernels). Each dtype's
 matmuls run the way the engine would run them (engine/linear.py picks the fastest GEMM per dtype, e.g.
 float32 compute for bfloat16 weights where oneDNN's bfloat16 kernel is slow). bfloat16 must win by a
 margin, since float32 is exact.
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine import linear
+from engine import linear, tuning_cache
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,38 @@ def pick_cpu_dtype(config: Any, cpu_linear: str = "auto") -> tuple[torch.dtype, 
     flags = cpu_flags()
     if not flags & set(BF16_FLAGS):
         return torch.float32, "this CPU has no bfloat16 instructions (amx_bf16, avx512_bf16)"
+    parts = {"layer": _layer_shape(config), "cpu_linear": cpu_linear, "bf16_flags": sorted(flags & set(BF16_FLAGS)),
+             "batch": BATCH, "context": CONTEXT, "repeats": REPEATS, "margin": MARGIN, "attention": _attention_build()}
+    cached = tuning_cache.get("dtype", parts)
+    if cached is not None:
+        value, path = cached
+        if isinstance(value, list) and len(value) == 2 and value[0] in ("float32", "bfloat16"):
+            return getattr(torch, value[0]), f"{value[1]} (measured earlier: {path})"
+    dtype, detail = _measure(config, cpu_linear, flags)
+    tuning_cache.put("dtype", parts, [str(dtype).removeprefix("torch."), detail])
+    return dtype, detail
+
+
+def _layer_shape(config: Any) -> list[Any]:
+    """What the measurement's result depends on in the model: its layer's GEMMs and attention heads."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return [[list(s) for s in linear.model_gemm_shapes(config).layer], heads, kv_heads, head_dim]
+
+
+def _attention_build() -> str:
+    """The attention op's build name: a hash of its sources, flags and CPU (a faster kernel may tip the
+    balance between the dtypes)."""
+    from kernels.cpu_attention import build_name
+
+    try:
+        return build_name()
+    except OSError:
+        return ""
+
+
+def _measure(config: Any, cpu_linear: str, flags: set[str]) -> tuple[torch.dtype, str]:
     impl = {dt: _linear_impl(config, dt, cpu_linear) for dt in (torch.float32, torch.bfloat16)}
     layer = {dt: _decode_layer(config, dt, impl[dt]) for dt in impl}
     best = {dt: float("inf") for dt in layer}

@@ -12,7 +12,8 @@
   faster. The copy doubles the weights' bytes.
 
 Which runs fastest depends on the CPU, so each candidate times the model's own GEMMs at a decode batch,
-interleaved and best-of-N so a busy machine slows all alike, once per process and shape set.
+interleaved and best-of-N so a busy machine slows all alike, once per machine, torch build and shape set:
+the choice is kept across runs (engine/tuning_cache.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import tuning_cache
 from engine.config import CPU_LINEAR
 
 log = logging.getLogger(__name__)
@@ -171,10 +173,24 @@ def time_gemms(shapes: Sequence[Shape], impls: Sequence[str], dtype: torch.dtype
 
 @functools.cache
 def choose(shapes: GemmShapes, dtype: torch.dtype) -> tuple[str, str]:
-    """The fastest implementation for these GEMMs in ``dtype`` on this CPU, and why (for the log)."""
+    """The fastest implementation for these GEMMs in ``dtype`` on this CPU, and why (for the log).
+    Measured once per machine and torch build, then read from engine/tuning_cache.py."""
     impls = candidates(dtype)
     if len(impls) == 1:
         return "aten", f"only aten can run {_name(dtype)} here"
+    parts = {"shapes": [list(shapes.layer), shapes.num_layers, list(shapes.head)], "dtype": _name(dtype),
+             "candidates": impls, "batch": BATCH, "repeats": REPEATS, "margin": MARGIN}
+    cached = tuning_cache.get("gemm", parts)
+    if cached is not None:
+        value, path = cached
+        if isinstance(value, list) and len(value) == 2 and value[0] in impls:  # else stale: measure again
+            return value[0], f"{value[1]} (measured earlier: {path})"
+    pick, why = _measure(shapes, dtype, impls)
+    tuning_cache.put("gemm", parts, [pick, why])
+    return pick, why
+
+
+def _measure(shapes: GemmShapes, dtype: torch.dtype, impls: list[str]) -> tuple[str, str]:
     seconds = time_gemms(shapes.all, impls, dtype, BATCH, REPEATS)
     step = {impl: shapes.step_seconds(seconds[impl]) for impl in impls}
     fastest = min(impls, key=step.__getitem__)

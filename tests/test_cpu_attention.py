@@ -94,6 +94,64 @@ def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
     check_against_reference(run, dtype, head_dim)
 
 
+def long_prompt_step(rng: random.Random, dtype: torch.dtype, head_dim: int, group: int, kv_heads: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Long prompt chunks (many 16-row query tiles, lengths not a multiple of 16, a chunk that starts
+    after earlier context), beside a decode, over randomly placed blocks."""
+    q_lens = [rng.randint(150, 330), rng.randint(17, 90), 1]
+    seq_lens = [q_lens[0] + rng.choice([0, rng.randint(1, 200)]), q_lens[1] + rng.randint(100, 300), rng.randint(50, 400)]
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 2
+    order = list(range(num_blocks))
+    rng.shuffle(order)
+    tables = torch.tensor(order[: len(seq_lens) * width], dtype=torch.int32).view(len(seq_lens), width)
+    k_cache, v_cache = (allocate_kv(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
+                        for _ in range(2))
+    k_cache.copy_(torch.randn(k_cache.shape))
+    v_cache.copy_(torch.randn(v_cache.shape))
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=torch.nn.functional.pad(q_lens_t.cumsum(0, dtype=torch.int32), (1, 0)),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), slot_mapping=torch.empty(0, dtype=torch.long),
+        block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        decode_idx=torch.nonzero(q_lens_t == 1).flatten(), prefill_idx=torch.nonzero(q_lens_t > 1).flatten())
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_long_prompt_chunks_match_reference_and_their_rows_alone(dtype: torch.dtype, head_dim: int) -> None:
+    """Query tiles over long prompt chunks (GQA groups, block sizes, windows, soft-caps) against the float64
+    reference; and every row to the bit as when it is attended alone (as a decode at its position), so
+    a prompt's result does not depend on how it was chunked or what shared its step."""
+    rng = random.Random(fresh_seed())
+    torch.manual_seed(rng.randrange(2**31))
+    for group, kv_heads in rng.sample([(1, 2), (3, 3), (8, 1), (4, 2)], 2):
+        block_size = rng.choice([16, 32])
+        window = rng.choice([None, rng.randint(20, 120)])
+        cap = rng.choice([None, 30.0])
+        q, k_cache, v_cache, meta = long_prompt_step(rng, dtype, head_dim, group, kv_heads, block_size)
+        k_hm, v_hm, scale = head_major(k_cache), head_major(v_cache), head_dim**-0.5
+        out = torch.empty(q.shape, dtype=dtype)
+        paged_attention(out, q, k_hm, v_hm, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap)
+        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens.tolist(), q_lens, scale,
+                                        window, cap)
+        err = relative_error(out, ref)
+        what = f"group {group}, block {block_size}, window {window}, cap {cap}"
+        assert err < TOLERANCE[dtype], f"relative error {err} ({what})"
+        starts = meta.query_start_loc.tolist()
+        for row in rng.sample(range(starts[1]), 12) + [0, 15, 16, starts[1] - 1, starts[2] - 1]:
+            b = 0 if row < starts[1] else 1
+            pos = int(meta.seq_lens[b]) - q_lens[b] + row - starts[b]
+            alone = torch.empty_like(out[row : row + 1])
+            paged_attention(alone, q[row : row + 1], k_hm, v_hm, meta.block_tables[b : b + 1],
+                            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([pos + 1], dtype=torch.int32), scale,
+                            window, cap)
+            assert torch.equal(alone[0], out[row]), f"row {row} (position {pos}) differs alone ({what})"
+
+
 def _cpu_seconds_by_thread() -> dict[str, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     seconds = {}

@@ -1,14 +1,14 @@
 // Paged attention on the CPU, reading K/V blocks where they lie in the cache.
 //
-// One work item is (query row, KV head): the item's query heads (GQA group) share each key and value
-// row it loads, so the cache is read once per item and never copied. A query row at position p sees
-// keys in (p - window, p]. One pass per item, 16 keys at a time: their scores, an online softmax
-// (running max and sum per head, the output rescaled when the max grows), then the weighted values,
-// so each key and value row comes from memory once and is used while it is in L1. Items run on
-// torch's own thread pool with a shared counter, costliest first, because item costs vary with
-// context length and a static split idles a core. A prompt chunk's rows go out in runs of 16 for one
-// KV head, so the run's later rows find the keys and values in cache (bench/attention_micro.py
-// --query-len 60: half the time of rows handed out one by one).
+// One work item is (query tile, KV head): up to 16 consecutive query rows of one sequence (a decode is a
+// tile of one) and the GQA group of query heads each row has on that KV head. The tile walks its keys
+// once, 16 at a time: each row scores the piece (16 keys per register), runs an online softmax (running
+// max and sum per head, the output rescaled when the max grows), then adds the weighted values, all
+// while the piece is in L1; so a key and value row comes from memory once per tile, not once per query
+// row, and the cache is never copied. (Transposing each piece into float for the tile, so a row's
+// scores need no horizontal sums, measured no faster: bench/attention_micro.py, issue 28.) Items run on
+// torch's own thread pool with a shared counter, costliest first, because item costs vary with context
+// length and a static split idles a core.
 //
 // Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
 // are not separate worlds here either.
@@ -218,8 +218,7 @@ inline void start_fetch(const T* p) {
   __builtin_prefetch(reinterpret_cast<const char*>(p) + 64, 0, 2);
 }
 
-// A run of consecutive query rows of one sequence, attended one after another on one thread for one KV
-// head: the rows share their keys and values, so after the first row they come from L1/L2, not memory.
+// A tile of consecutive query rows of one sequence, attended together on one thread for one KV head.
 struct Unit {
   int64_t first;  // index of its first item
   int64_t count;
@@ -232,11 +231,54 @@ struct Item {
   int64_t pos;  // its position in the sequence
 };
 
+// Per thread: each tile row's scaled query, output accumulator and softmax state, and the piece's scores.
+struct Scratch {
+  std::vector<float> qf, acc, m, sum, w;
+  Scratch(int64_t rows, int64_t group, int64_t dim, int64_t piece)
+      : qf(rows * group * dim), acc(rows * group * dim), m(rows * group), sum(rows * group), w(group * piece) {}
+};
+
+// One row's heads, given the scores w[g * 16 + j] of n keys: soft-cap, online softmax, weighted values.
+template <int NC, typename V>
+inline void weigh_values(float* w, const V* v, int64_t v_tok, int64_t n, int64_t group, int64_t dim, float cap,
+                         float* m, float* sum, float* acc) {
+  constexpr int64_t kPiece = 16;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = w + g * kPiece;
+    if (cap > 0.f)  // soft-capped scores, as Gemma 2 defines them
+      for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+    online_softmax(s, n, m[g], sum[g], acc + g * dim, dim);
+  }
+#if defined(__AVX512F__)
+  if constexpr (NC > 0) block_values<NC>(w, kPiece, v, v_tok, n, group, acc);
+  else
+#endif
+    block_values_generic<NC>(w, kPiece, v, v_tok, n, group, dim, acc);
+}
+
+// One row's heads over n keys of a piece: scores, then weigh_values.
+template <int NC, typename K, typename V>
+inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const V* v, int64_t v_tok, int64_t n,
+                         int64_t group, int64_t dim, float cap, float* w, float* m, float* sum, float* acc) {
+  constexpr int64_t kPiece = 16;
+#if defined(__AVX512F__)
+  if constexpr (NC > 0) block_scores16<NC>(qf, k, k_tok, n, group, w, kPiece);
+  else
+#endif
+    block_scores_generic<NC>(qf, k, k_tok, n, group, dim, w, kPiece);
+  weigh_values<NC>(w, v, v_tok, n, group, dim, cap, m, sum, acc);
+}
+
+// Query tiling: the tile walks its keys once, 16 at a time, and every row of the tile uses each piece
+// while it is in L1, so a long prompt chunk reads each key and value row from memory once per tile
+// rather than once per query row. Each row keeps to its own keys: (pos - window, pos] (the causal edge
+// and a sliding window cut a piece short per row). A row's pieces and arithmetic are the same in any
+// tile, so its result is the same to the bit as a tile of one (a decode): a prompt's output does not
+// depend on how the scheduler chunked it or what shared its step.
 template <int NC, typename T>
 void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_tables, const std::vector<Item>& items, const std::vector<Unit>& units,
-            double scale, int64_t window,
-            double soft_cap) {
+            int64_t max_rows, double scale, int64_t window, double soft_cap) {
   const int64_t num_q_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
@@ -252,60 +294,64 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const int64_t num_work = static_cast<int64_t>(units.size()) * num_kv_heads;
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  const int64_t gd = group * dim;
 
   constexpr int64_t kPiece = 16;  // keys scored and weighed together: one register of scores per head
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(group * dim), acc(group * dim), m(group), sum(group), w(group * kPiece);
+    Scratch sc(max_rows, group, dim, kPiece);
     int64_t i;
     while ((i = next.fetch_add(1, std::memory_order_relaxed)) < num_work) {
       const Unit& unit = units[i / num_kv_heads];
       const int64_t h = i % num_kv_heads;
-      for (int64_t r = unit.first; r < unit.first + unit.count; ++r) {
-        const Item& it = items[r];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, it.pos - window + 1) : 0;
+      const Item* rows = items.data() + unit.first;
+      const int64_t count = unit.count;
+      for (int64_t r = 0; r < count; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = qp + it.row * q_row + (h * group + g) * q_head;
-          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
+          const T* src = qp + rows[r].row * q_row + (h * group + g) * q_head;
+          for (int64_t d = 0; d < dim; ++d) sc.qf[r * gd + g * dim + d] = to_float(src[d]) * fscale;
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(m.begin(), m.end(), -INFINITY);
-        std::fill(sum.begin(), sum.end(), 0.f);
-        const int32_t* table = tables + it.seq * table_row;
-        const T* k_base = kp + h * k_head;
-        const T* v_base = vp + h * v_head;
-        for (int64_t t = first; t <= it.pos;) {
-          const int64_t off = t % block_size;
-          const int64_t n = std::min({kPiece, block_size - off, it.pos + 1 - t});
-          const int64_t block = table[t / block_size];
-          if (t + n <= it.pos) {  // the next piece's keys and values
-            const int64_t b = table[(t + n) / block_size], o = (t + n) % block_size;
-            start_fetch(k_base + b * k_block + o * k_tok);
-            start_fetch(v_base + b * v_block + o * v_tok);
-          }
-          const T* k = k_base + block * k_block + off * k_tok;
-          const T* v = v_base + block * v_block + off * v_tok;
-  #if defined(__AVX512F__)
-          if constexpr (NC > 0) block_scores16<NC>(qf.data(), k, k_tok, n, group, w.data(), kPiece);
-          else
-  #endif
-            block_scores_generic<NC>(qf.data(), k, k_tok, n, group, dim, w.data(), kPiece);
-          for (int64_t g = 0; g < group; ++g) {
-            float* s = w.data() + g * kPiece;
-            if (cap > 0.f)  // soft-capped scores, as Gemma 2 defines them
-              for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-            online_softmax(s, n, m[g], sum[g], acc.data() + g * dim, dim);
-          }
-  #if defined(__AVX512F__)
-          if constexpr (NC > 0) block_values<NC>(w.data(), kPiece, v, v_tok, n, group, acc.data());
-          else
-  #endif
-            block_values_generic<NC>(w.data(), kPiece, v, v_tok, n, group, dim, acc.data());
-          t += n;
+      }
+      std::fill_n(sc.acc.begin(), count * gd, 0.f);
+      std::fill_n(sc.m.begin(), count * group, -INFINITY);
+      std::fill_n(sc.sum.begin(), count * group, 0.f);
+      // A tile's rows are consecutive positions of one sequence: the first row sees the earliest key,
+      // the last row the latest.
+      const int64_t last = rows[count - 1].pos;
+      auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+      const int32_t* table = tables + rows[0].seq * table_row;
+      const T* k_base = kp + h * k_head;
+      const T* v_base = vp + h * v_head;
+      for (int64_t t = first_key(rows[0].pos); t <= last;) {
+        // Pieces end at multiples of 16 keys and at block ends, whichever row walks them: a row's pieces,
+        // and so its softmax's rounding, do not depend on the tile it is in.
+        const int64_t off = t % block_size;
+        const int64_t n = std::min({kPiece - t % kPiece, block_size - off, last + 1 - t});
+        const int64_t block = table[t / block_size];
+        if (t + n <= last) {  // the next piece's keys and values
+          const int64_t b = table[(t + n) / block_size], o = (t + n) % block_size;
+          start_fetch(k_base + b * k_block + o * k_tok);
+          start_fetch(v_base + b * v_block + o * v_tok);
         }
+        const T* k = k_base + block * k_block + off * k_tok;
+        const T* v = v_base + block * v_block + off * v_tok;
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t lo = std::max(t, first_key(rows[r].pos)), hi = std::min(t + n, rows[r].pos + 1);
+          if (lo >= hi) continue;  // past this row's causal edge, or before its window
+          float* m = sc.m.data() + r * group;
+          float* sum = sc.sum.data() + r * group;
+          float* acc = sc.acc.data() + r * gd;
+          attend_piece<NC>(sc.qf.data() + r * gd, k + (lo - t) * k_tok, k_tok, v + (lo - t) * v_tok, v_tok, hi - lo,
+                           group, dim, cap, sc.w.data(), m, sum, acc);
+        }
+        t += n;
+      }
+      for (int64_t r = 0; r < count; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] /= sum[g];
-          from_float(op + it.row * o_row + (h * group + g) * o_head, acc.data() + g * dim, dim);
+          float* a = sc.acc.data() + r * gd + g * dim;
+          const float s = sc.sum[r * group + g];
+          for (int64_t d = 0; d < dim; ++d) a[d] /= s;
+          from_float(op + rows[r].row * o_row + (h * group + g) * o_head, a, dim);
         }
       }
     }
@@ -355,14 +401,16 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
   const int64_t dim = q.size(2);
+  int64_t max_rows = 1;
+  for (const Unit& u : units) max_rows = std::max(max_rows, u.count);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     if (dim == 64)
-      attend<4, T>(out, q, k_cache, v_cache, tables, items, units, scale, window, soft_cap);
+      attend<4, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
     else if (dim == 128)
-      attend<8, T>(out, q, k_cache, v_cache, tables, items, units, scale, window, soft_cap);
+      attend<8, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
     else
-      attend<0, T>(out, q, k_cache, v_cache, tables, items, units, scale, window, soft_cap);
+      attend<0, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
   };
   sluice_cpu::dispatch_dtype(q.scalar_type(), run);
 }
