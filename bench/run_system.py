@@ -146,18 +146,6 @@ def prepare(args: argparse.Namespace, w: dict[str, Any]) -> tuple[Generate, dict
     return (lambda ids, n, s: sluice_generate(llm, ids, n, s)), {"settings": settings, "engine": llm}
 
 
-def fault_in_kv_cache(engine: Any) -> None:
-    """Touch all of Sluice's CPU KV cache before the clock starts: the engine faults in only its first
-    blocks at start-up (engine/huge_pages.py) and the rest on first write, which a long run pays inside
-    its steps and vLLM pays at start-up. Not yet written, so zeroing it changes nothing."""
-    if engine is None or engine.device.type != "cpu":
-        return
-    with torch.inference_mode():
-        for k, v in engine.runner.kv_caches:
-            k.zero_()
-            v.zero_()
-
-
 def run(args: argparse.Namespace, w: dict[str, Any]) -> dict[str, Any]:
     if args.system == "ceiling":
         from transformers import AutoConfig
@@ -165,7 +153,6 @@ def run(args: argparse.Namespace, w: dict[str, Any]) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(w["model_dir"])
         return {"ceiling": matmul_ceiling(cfg, DTYPES[args.dtype])}
     generate, info = prepare(args, w)
-    fault_in_kv_cache(info.get("engine"))
     ids = w["prompt_token_ids"]
     generate([ids[0][:8]], 4, sampling(w))  # warm-up, on the run's own sampling path: first-call costs off the clock
     engine = info.pop("engine", None)

@@ -1,4 +1,4 @@
-"""CPU memory for the KV cache on transparent huge pages, its first blocks faulted in when allocated.
+"""CPU memory for the KV cache on transparent huge pages, faulted in when it is allocated.
 
 Attention reads the paged cache a block at a time from wherever each block lies, and at SmolLM2's
 shapes one head's block is one 4 KiB page, so with small pages nearly every block read begins with a
@@ -6,12 +6,9 @@ TLB miss (decode attention measured 9% faster on huge pages). Most distributions
 "madvise": only ranges that ask get 2 MiB pages, and only pages not yet touched. So the cache gets a
 fresh anonymous mapping of its own (memory from the allocator may be reused, already-touched heap),
 advised before first use. The first touch of a huge page is expensive (the kernel may compact memory
-to find 2 MiB; 0.35-0.8 GB/s measured on a 2-core VM, against ~4 GB/s for small pages). Faulting all
-of a 4 GiB cache at start-up took 5-12 s, most of `sluice generate`'s time to a first result on a short
-file; so only the first EAGER_FRACTION of each head's blocks (the block manager hands out low ids
-first) is faulted in here, and the rest on first write. The kernel hands out anonymous pages zeroed, so
-the whole tensor reads as zeros either way. A benchmark that wants no faults in its timed steps touches
-the cache first (bench/run_system.py).
+to find 2 MiB; 0.35-0.8 GB/s measured on a 2-core VM, against ~4 GB/s for small pages), and a long
+run touches most of the cache, so the cache is zeroed here, at start-up, rather than page by page
+inside decode steps.
 """
 
 from __future__ import annotations
@@ -22,13 +19,11 @@ import mmap
 import torch
 
 _HUGE = 2 << 20
-EAGER_FRACTION = 1 / 8  # of each head's blocks (dim 1 of the shape), faulted in at allocation
 
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on its own 2 MiB-aligned mapping, advised MADV_HUGEPAGE, the first
-    EAGER_FRACTION of dim 1 faulted in now (a plain ``torch.zeros`` where the platform has no such
-    advice). The tensor keeps the mapping alive."""
+    """A zeroed CPU tensor on its own 2 MiB-aligned mapping, advised MADV_HUGEPAGE and faulted in now (a
+    plain ``torch.zeros`` where the platform has no such advice). The tensor keeps the mapping alive."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return torch.zeros(shape, dtype=dtype)
@@ -38,8 +33,4 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
     start = -raw.data_ptr() % _HUGE
     memory = raw[start : start + nbytes].view(dtype).view(shape)
-    if memory.dim() < 2:
-        return memory.zero_()
-    eager = math.ceil(memory.shape[1] * EAGER_FRACTION)
-    memory[:, :eager].zero_()  # on torch's threads: the faults are the cost; the pages are zero already
-    return memory
+    return memory.zero_()  # on torch's threads: the faults are the cost
