@@ -27,15 +27,14 @@ from cli.options import engine_kwargs, env_option, with_engine_options
 from jobs.connection import EmbeddedServer, stop_server
 from jobs.settings import load
 from jobs.store import served_queues
-from worker.options import WorkerOptions
 
 worker_options = [
     env_option("--queue", envvar="SLUICE_QUEUE", default=None, help="The model name clients ask for [default: the "
                "--model string, or 'default' without one]."),
     env_option("--metrics-port", envvar="SLUICE_METRICS_PORT", type=click.IntRange(1, 65535), default=None,
                help="Serve the worker's Prometheus metrics on this port."),
-    env_option("--grace-period", envvar="SLUICE_GRACE_PERIOD", type=click.FloatRange(min=0),
-               default=WorkerOptions.grace_period,
+    # Spelled here as well as in WorkerOptions: the CLI imports without the worker (tests/test_deploy.py).
+    env_option("--grace-period", envvar="SLUICE_GRACE_PERIOD", type=click.FloatRange(min=0), default=30.0,
                show_default=True, help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at "
                "once)."),
 ]
