@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import redis
@@ -68,7 +68,7 @@ class JobPlaneCollector(Collector):
         yield from (live, running, depth)
 
 
-def request_labels(scope: dict[str, Any], status: int) -> tuple[str, str, str]:
+def request_labels(scope: MutableMapping[str, Any], status: int) -> tuple[str, str, str]:
     """A request's ``method``, ``route`` and ``status`` labels, each from a bounded set: a known method
     or ``other``; the matched route's template (never the raw path) or ``other``; a valid status code."""
     method = scope.get("method", "")

@@ -64,6 +64,8 @@ class _StaticInputs:
         self.slots_h, self.slots = pair(max_bs, dtype=torch.long)
         self.lens_h, self.lens = pair(max_bs, dtype=torch.int32)
         self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.stage_h: torch.Tensor | None
+        self.stage: torch.Tensor | None
         self.stage_h, self.stage = pair(max_bs * max_blocks, dtype=torch.int32) if pin else (None, None)
         self.qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one query each, forever
         self.rows = torch.arange(max_bs, device=device)

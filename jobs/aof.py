@@ -249,7 +249,7 @@ def repair(directory: Path) -> tuple[list[Problem], Path | None]:
         return [], None
     backup = directory.with_name(f"{directory.name}.broken-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
     shutil.copytree(directory, backup)  # before any change: a full disk fails here, having changed nothing
-    fixed = []
+    fixed: list[Problem] = []
     while problem is not None and len(fixed) < 8:
         (_relist if problem.kind == "unlisted" else _cut)(problem)
         fixed.append(problem)

@@ -87,7 +87,7 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
     block_tables = torch.zeros(2, 8, dtype=torch.int32)
     query_start_loc = torch.tensor([0, 2, 7], dtype=torch.int32)
     # Sliding window with logit soft-cap (Gemma 2/3), each kernel with both, as the transformers path passes them.
-    window_cap = dict(sliding_window=64, logits_soft_cap=30.0)
+    window_cap: dict[str, Any] = {"sliding_window": 64, "logits_soft_cap": 30.0}
     for hq, hkv, d, bs in shapes:
         tag = f"hq{hq}-hkv{hkv}-d{d}-bs{bs}"
         # The engine's cache layout (engine/attention.py allocate_kv): head-major memory viewed as
