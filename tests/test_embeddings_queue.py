@@ -200,3 +200,48 @@ def test_20000_lines_kill_9_mid_batch_exactly_once(r: redis.Redis, minilm: Any, 
         i = int(cid[1:])
         assert isinstance(body["data"][0]["embedding"], str if i % 3 == 1 else list), cid
         assert len(body["data"]) == (2 if i % 3 == 2 else 1) and body["usage"]["prompt_tokens"] > 0
+
+
+@needs_minilm
+def test_sluice_generate_on_an_embeddings_file(minilm: Any, tmp_path: Path) -> None:
+    """``sluice generate --model all-MiniLM-L6-v2`` on an embeddings file: OpenAI and simple lines,
+    float and base64, a list input; a chat line and an empty input fail alone; --resume redoes nothing."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    rng = random.Random(fresh_seed())
+    texts = _texts(5, rng)
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"custom_id": "s0", "input": texts[0]}),
+        _openai_line("o1", texts[1], encoding_format="base64"),
+        _openai_line("o2", [texts[2], texts[3]]),
+        json.dumps({"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        json.dumps({"custom_id": "empty", "input": ""}),
+        json.dumps({"custom_id": "s4", "input": texts[4]}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--model", MINILM, "--no-progress"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 3, res.output  # some lines failed
+    done = {d["custom_id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    errors = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
+    assert set(done) == {"s0", "o1", "o2", "s4"} and set(errors) == {"chat", "empty"}
+    assert "serves embeddings" in errors["chat"]["error"]["message"]
+    assert errors["chat"]["response"]["status_code"] == 400
+    assert "line 5" in errors["empty"]["error"]["message"]
+
+    def vec(cid: str, i: int = 0) -> list[float]:
+        e = done[cid]["response"]["body"]["data"][i]["embedding"]
+        return decode_base64(e) if isinstance(e, str) else e
+
+    assert isinstance(done["o1"]["response"]["body"]["data"][0]["embedding"], str)
+    got = np.asarray([vec("s0"), vec("o1"), vec("o2"), vec("o2", 1), vec("s4")], dtype=np.float32)
+    want = np.asarray([o.embeddings[0] for o in minilm.embed(_requests(texts))], dtype=np.float32)
+    _assert_close(got, want)
+    ntok = [len(ids) for ids in minilm.tokenizer(texts)["input_ids"]]
+    assert done["o2"]["response"]["body"]["usage"]["prompt_tokens"] == ntok[2] + ntok[3]
+    before = out.read_text()
+    res = CliRunner().invoke(cli, args + ["--resume"])
+    assert out.read_text() == before and "0 completed" in res.output, res.output

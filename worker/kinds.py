@@ -26,9 +26,9 @@ def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingReques
     kind = serves(engine)
     if (job.kind == "embedding") != (kind == EMBEDDING):
         if kind == EMBEDDING:
-            raise ValueError(f"this queue's model serves embeddings: a {job.kind} request cannot run on it "
+            raise ValueError(f"this model serves embeddings: a {job.kind} request cannot run on it "
                              "(send /v1/embeddings lines, or use a generation model's queue)")
-        raise ValueError("this queue's model generates text: a /v1/embeddings request cannot run on it "
+        raise ValueError("this model generates text: a /v1/embeddings request cannot run on it "
                          "(send it to an embedding model's queue)")
     if kind == EMBEDDING:
         assert job.input is not None
