@@ -245,3 +245,51 @@ def test_sluice_generate_on_an_embeddings_file(minilm: Any, tmp_path: Path) -> N
     before = out.read_text()
     res = CliRunner().invoke(cli, args + ["--resume"])
     assert out.read_text() == before and "0 completed" in res.output, res.output
+
+
+@needs_minilm
+def test_openai_sdk_embeddings_batch_and_models(minilm: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The official openai package: an embeddings file uploaded, a batch for /v1/embeddings, its output
+    read as CreateEmbeddingResponse; /v1/models says which model serves what."""
+    import os
+
+    import openai
+    from cli_api_helpers import sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
+    from openai.types import CreateEmbeddingResponse
+
+    rng = random.Random(fresh_seed())
+    texts = _texts(8, rng)
+    lines = [_openai_line(f"e{i}", t, encoding_format="base64" if i % 2 else "float") for i, t in enumerate(texts)]
+    home = tmp_path / "home"
+    with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
+        w = ThreadWorker(minilm, queue=MINILM)
+        log = tmp_path / "serve.log"
+        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
+                            env={**os.environ, "SLUICE_API_KEY": "sk-t"})
+        try:
+            url = wait_for_url(proc, log, timeout=60)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-t", max_retries=0, timeout=60)
+            f = client.files.create(file=("emb.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+            batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+            batch = wait_final(lambda: client.batches.retrieve(batch.id))
+            assert batch.status == "completed" and batch.request_counts.completed == 8, batch
+            assert batch.endpoint == "/v1/embeddings"
+            out = {x["custom_id"]: x for x in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+            models = client.get("/models", cast_to=object)
+        finally:
+            assert stop(proc) == 0, log.read_text()
+            w.join()
+    got = []
+    for i in range(8):
+        raw = out[f"e{i}"]["response"]["body"]
+        if i % 2:  # base64: the SDK's type says list (its client decodes base64 itself before validating)
+            got.append(decode_base64(raw["data"][0].pop("embedding")))
+            raw["data"][0]["embedding"] = []
+        body = CreateEmbeddingResponse.model_validate(raw)
+        if i % 2 == 0:
+            got.append(body.data[0].embedding)
+        assert body.model == MINILM and body.usage.prompt_tokens > 0
+    want = np.asarray([o.embeddings[0] for o in minilm.embed(_requests(texts))], dtype=np.float32)
+    _assert_close(np.asarray(got, dtype=np.float32), want)
+    serves = {m["id"]: m["serves"] for m in models["data"]}  # type: ignore[index]
+    assert serves == {MINILM: ["embedding"], "tiny": ["generation"]}
