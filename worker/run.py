@@ -33,7 +33,7 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
         from engine.models.base import UnsupportedModelError
 
         def factory() -> Engine:
-            if is_embedding_model(model):
+            if model is not None and is_embedding_model(model):
                 from engine.embedding_engine import EmbeddingEngine
                 return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
             from engine.llm import LLM

@@ -162,7 +162,7 @@ class Worker:
             self.session.settle(h.d, "failed", "invalid_request", str(e))
             return
         try:
-            self.llm.add_request(req)
+            self.llm.add_request(req)  # type: ignore[arg-type]  # an EmbeddingRequest for an EmbeddingEngine
         except Exception as e:  # noqa: BLE001 - this job's failure, unless a probe fails too (isolation)
             log.exception("the engine refused job %s", h.job.id)
             self.iso.failed_alone(h, e)
@@ -175,7 +175,7 @@ class Worker:
         probe = self.iso.next_probe()
         if probe is not None:
             try:
-                self.llm.add_request(probe_request(probe, self.llm))
+                self.llm.add_request(probe_request(probe, self.llm))  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001
                 self._sick(e)
             return
