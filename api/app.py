@@ -75,9 +75,12 @@ async def _sweep_files(state: AppState) -> None:
 
 
 def list_models(state: State) -> dict[str, Any]:
-    queues = sorted({w.get("queue") or "default" for w in list_workers(state.redis())})
-    return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice"}
-                                       for q in queues]}
+    serves: dict[str, set[str]] = {}
+    for w in list_workers(state.redis()):
+        # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
+        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+    return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
+                                        "serves": sorted(serves[q])} for q in sorted(serves)]}
 
 
 def healthz(state: State) -> JSONResponse:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import ApiError, not_found
 from api.filestore import error_file_id, output_file_id
 from api.state import Redis, State
+from jobs.embeddings import EMBEDDINGS_URL
 from jobs.openai_output import result_to_output_line
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo
 from jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
@@ -19,7 +20,7 @@ from jobs.submit import UnknownModel, resolve_model, submit
 from jobs.units import parse_duration
 
 router = APIRouter(tags=["batches"])
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
 
 

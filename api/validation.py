@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from api.errors import ApiError
+from jobs.embeddings import EMBEDDINGS_URL
 from jobs.lines import LineError, parse_line
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
 
@@ -20,7 +21,7 @@ MAX_REPORTED = 20
 
 
 def job_endpoint(job: Job) -> str:
-    return CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
+    return {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL}.get(job.kind, COMPLETIONS_URL)
 
 
 def prompt_chars(job: Job) -> int:

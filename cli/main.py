@@ -73,7 +73,8 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
     failures to ERRORS.
 
     Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
-    ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens).
+    ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens); with an
+    embedding model, /v1/embeddings lines and {"input": ...} lines.
     """
     need_engine()
     from worker.generate_file import generate_file

@@ -45,6 +45,10 @@ class EmbeddingConfig:
     pooling: str | None = None  # a plain transformers directory's pooling (mean | cls | max | lasttoken)
     matryoshka: bool | None = None  # None = as the model's config says
     cpu_linear: str = "auto"  # auto (oneDNN-packed where it runs) | aten | onednn-packed
+    # What a worker may hold waiting, in tokens (None = 4 forward passes' worth): no KV cache here, so
+    # this is the capacity the worker's puller sees, counted in blocks of ``block_size`` tokens.
+    max_waiting_tokens: int | None = None
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -88,6 +92,8 @@ class _RequestState:
 class EmbeddingEngine:
     """``EmbeddingEngine(model, **config)``: see ``EmbeddingConfig`` for the settings."""
 
+    serves = "embedding"  # engine.llm.LLM serves generation (a worker's heartbeat says which)
+
     def __init__(self, model: str, **config: Any) -> None:
         self.config = EmbeddingConfig(**config)
         self.model: EmbeddingModel = load_embedding_model(model, _DTYPES[self.config.dtype], self.config.device,
@@ -95,6 +101,8 @@ class EmbeddingEngine:
                                                           self.config.cpu_linear)
         self.tokenizer = self.model.tokenizer
         self.model_impl = "transformers"
+        self.device = torch.device(self.config.device)
+        self.capacity_tokens = self.config.max_waiting_tokens or 4 * self.config.max_num_batched_tokens
         self.max_model_len = min(self.model.max_len, self.config.max_model_len or self.model.max_len)
         self.dimension = self.model.pooling.dimension
         self.pool = LengthPool()
@@ -122,6 +130,20 @@ class EmbeddingEngine:
     @property
     def num_waiting_tokens(self) -> int:
         return self.pool.num_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    # A worker's puller admits by free KV blocks; here a "block" is ``block_size`` tokens of the
+    # capacity, less the tokens already waiting to be embedded.
+    @property
+    def num_total_blocks(self) -> int:
+        return self.capacity_tokens // self.config.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return max(0, self.capacity_tokens - self.num_waiting_tokens) // self.config.block_size
 
     @property
     def stats(self) -> dict[str, float]:

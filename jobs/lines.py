@@ -14,6 +14,7 @@ from pydantic import (
     ValidationError,
 )
 
+from jobs.embeddings import EMBEDDINGS_URL, check_input, parse_embedding_body
 from jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -54,6 +55,8 @@ _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "n", "stop", "seed", "pres
 _STRUCTURED = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                          "guided_json_object", "guided_decoding_backend", "guided_whitespace_pattern"})
 _TOOLS = frozenset({"tools", "tool_choice"})
+_SIMPLE_EMBEDDING = frozenset({"custom_id", "input", "model", "priority", "deadline", "encoding_format",
+                               "dimensions"})
 _SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages", "model", "priority", "deadline",
                           "response_format", "tools", "tool_choice", "echo"})
 
@@ -133,12 +136,19 @@ def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         fields, sampling = _chat_body(body)
     elif url == COMPLETIONS_URL:
         fields, sampling = _completions_body(body)
+    elif url == EMBEDDINGS_URL:
+        fields, sampling = _embedding_body(body), {}
     else:
-        raise ValueError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, not {url!r}")
+        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, not {url!r}")
     fields["custom_id"] = custom_id
     if isinstance(body.get("model"), str):
         fields["model"] = body["model"]
     return fields, sampling
+
+
+def _embedding_body(body: dict[str, Any]) -> dict[str, Any]:
+    b = parse_embedding_body(body)
+    return {"kind": "embedding", "input": b.input, "encoding_format": b.encoding_format, "dimensions": b.dimensions}
 
 
 def _check_body_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -266,15 +276,12 @@ def _completion_prompt(prompt: Any) -> dict[str, Any]:
 
 
 def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    if "input" in obj:
+        return _simple_embedding(obj, line_no), {}
     unknown = set(obj) - _SIMPLE_META - SAMPLING_FIELDS - _STRUCTURED
     if unknown:
         raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
-    custom_id = obj.get("custom_id", f"line-{line_no}")
-    if isinstance(custom_id, int) and not isinstance(custom_id, bool):
-        custom_id = str(custom_id)
-    if not isinstance(custom_id, str) or not custom_id:
-        raise ValueError("custom_id must be a non-empty string")
-    fields: dict[str, Any] = {"custom_id": custom_id}
+    fields: dict[str, Any] = {"custom_id": _simple_custom_id(obj, line_no)}
     if "messages" in obj:
         fields.update(kind="chat", messages=normalize_messages(obj["messages"]))
     elif "prompt" in obj or "prompt_token_ids" in obj:
@@ -289,6 +296,32 @@ def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], d
     sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}
     _add_structured(obj, fields, sampling, "")
     return fields, sampling
+
+
+def _simple_custom_id(obj: dict[str, Any], line_no: int) -> str:
+    custom_id = obj.get("custom_id", f"line-{line_no}")
+    if isinstance(custom_id, int) and not isinstance(custom_id, bool):
+        custom_id = str(custom_id)
+    if not isinstance(custom_id, str) or not custom_id:
+        raise ValueError("custom_id must be a non-empty string")
+    return custom_id
+
+
+def _simple_embedding(obj: dict[str, Any], line_no: int) -> dict[str, Any]:
+    """``{"custom_id", "input", ...}``: an embedding job (the simple form of a /v1/embeddings line)."""
+    unknown = set(obj) - _SIMPLE_EMBEDDING
+    if unknown:
+        raise ValueError(f"unknown field {sorted(unknown)[0]!r} for an embedding line (input)")
+    fields: dict[str, Any] = {"custom_id": _simple_custom_id(obj, line_no), "kind": "embedding",
+                              "input": check_input(obj["input"])}
+    body = parse_embedding_body({k: obj[k] for k in ("input", "encoding_format", "dimensions") if k in obj})
+    fields.update(encoding_format=body.encoding_format, dimensions=body.dimensions)
+    for k in ("model", "priority"):
+        if obj.get(k) is not None:
+            fields[k] = obj[k]
+    if obj.get("deadline") is not None:
+        fields["deadline"] = parse_deadline(obj["deadline"])
+    return fields
 
 
 def first_model(texts: Iterable[str]) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.embeddings import decode_base64, embedding_response
 from jobs.keys import DEFAULT_QUEUE
 from jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
 
@@ -39,6 +40,8 @@ def line_error_to_output_line(info: LineErrorInfo, custom_id: str | None = None)
 def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     """A chat.completion or text_completion object for a completed Result."""
     kind = job.kind if job is not None else result.kind
+    if kind == "embedding":
+        return embedding_body(job, result)
     choices = result.choices or [Choice(index=0, text=result.text, finish_reason=result.finish_reason or "stop")]
     created = int(result.timings.finished or 0)
     u = result.usage
@@ -55,6 +58,13 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
             "finish_reason": _finish(c.finish_reason)} for c in choices]
     return {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
+
+
+def embedding_body(job: Job | None, result: Result) -> dict[str, Any]:
+    """OpenAI's CreateEmbeddingResponse for a completed embedding Result."""
+    model = (job.model if job is not None else None) or result.model or DEFAULT_QUEUE
+    vectors = [decode_base64(v) for v in result.embeddings or []]
+    return embedding_response(vectors, model, result.usage.prompt_tokens, result.encoding_format)
 
 
 def _message(c: Choice) -> dict[str, Any]:

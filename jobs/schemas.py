@@ -20,7 +20,7 @@ from pydantic import (
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-JobKind = Literal["chat", "completion"]
+JobKind = Literal["chat", "completion", "embedding"]
 JobStatus = Literal["completed", "failed", "cancelled", "expired"]
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -127,6 +127,10 @@ class Job(BaseModel):
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's function tools, passed to the chat template
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", ...}
     echo: bool = False  # completions: the prompt's text leads the completion's
+    # embedding jobs (/v1/embeddings): the body's input, checked by jobs.embeddings.check_input
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
@@ -135,6 +139,12 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> Job:
+        if self.kind == "embedding" or self.input is not None:
+            if self.kind != "embedding" or self.input is None:
+                raise ValueError("input is for embedding jobs, and an embedding job needs input")
+            if any(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)):
+                raise ValueError("an embedding job takes input, not prompt or messages")
+            return self
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
         if given != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
@@ -200,6 +210,10 @@ class Result(BaseModel):
     timings: ResultTimings = Field(default_factory=ResultTimings)
     worker: str | None = None
     error: ErrorInfo | None = None
+    # An embedding job's vectors, each as base64 little-endian float32 (exact, a third of the JSON
+    # numbers' size); jobs/openai_output.py renders them in the job's encoding_format.
+    embeddings: list[str] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 class BatchCounts(BaseModel):

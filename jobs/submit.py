@@ -18,6 +18,7 @@ import redis
 from jobs import keys
 from jobs.connection import connect
 from jobs.consumer.commands import mark_ready
+from jobs.embeddings import EMBEDDINGS_URL
 from jobs.lines import LineError, parse_line
 from jobs.pipes import NodePipes
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, MAX_PRIORITY, Batch, Job, LineErrorInfo, SamplingParams
@@ -157,7 +158,7 @@ class _Submission:
             return
         self.seen.add(job.custom_id)
         if self.endpoint is None:
-            self.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
+            self.endpoint = {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL}.get(job.kind, COMPLETIONS_URL)
             self.r.hset(keys.meta(self.bid), "endpoint", self.endpoint)
         if "priority" not in job.model_fields_set:
             job.priority = self.priority

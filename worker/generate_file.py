@@ -8,19 +8,22 @@ to the output; failed ones, and bad lines (naming their line number), to the err
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
+from engine.embedding_model import is_embedding_model
 from engine.llm import LLM
 from engine.outputs import Completion
 from jobs.jsonl import values_in
 from jobs.lines import LineError, parse_line
 from jobs.openai_output import result_to_output_line
-from jobs.schemas import Job, SamplingParams
-from worker.convert import completion_to_result, job_to_request
+from jobs.schemas import ErrorInfo, Job, Result, SamplingParams
+from worker.kinds import EMBEDDING, engine_request, engine_result, serves
+from worker.run import embedding_kwargs
 
 
 @dataclass
@@ -34,7 +37,7 @@ class GenerateSummary:
 
 def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, model: str | None,
                   engine_kwargs: dict[str, Any], defaults: SamplingParams | None = None, resume: bool = False,
-                  progress: bool = True, llm: LLM | None = None) -> GenerateSummary:
+                  progress: bool = True, llm: LLM | EmbeddingEngine | None = None) -> GenerateSummary:
     summary = GenerateSummary()
     done = values_in(output_path, "custom_id") | values_in(errors_path, "custom_id") if resume else set()
     combined = errors_path == output_path  # one stream for both (stdout): failures in line with results
@@ -48,20 +51,49 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         jobs = list(_read_jobs(src, defaults, done, err, summary))
         if not jobs:
             return summary
-        engine = llm if llm is not None else LLM(model, **engine_kwargs)
+        engine = llm if llm is not None else _engine(model, engine_kwargs)
         by_id = {j.custom_id: j for j in jobs}
 
-        def write(c: Completion) -> None:
-            result = completion_to_result(by_id[c.request_id], c, engine.tokenizer)
-            _write_line(out if result.status == "completed" else err, result_to_output_line(by_id[c.request_id], result))
-            summary.completion_tokens += c.usage.completion_tokens
+        def write_result(job: Job, result: Result) -> None:
+            _write_line(out if result.status == "completed" else err, result_to_output_line(job, result))
+            summary.completion_tokens += result.usage.completion_tokens
             if result.status == "completed":
                 summary.completed += 1
             else:
                 summary.failed += 1
 
-        engine.generate([job_to_request(j) for j in jobs], progress=progress, on_finish=write)
+        def write(c: Completion | EmbeddingOutput) -> None:
+            job = by_id[c.request_id]
+            write_result(job, engine_result(job, c, engine, started=None, worker=None, model=None))
+
+        requests = []
+        for j in jobs:
+            try:  # the other kind than the model serves (an embeddings line for a generation model): that line fails
+                requests.append(engine_request(j, j.custom_id, engine))
+            except ValueError as e:
+                write_result(j, Result(job_id=j.id, custom_id=j.custom_id, kind=j.kind, status="failed",
+                                       error=ErrorInfo(code="invalid_request", message=str(e))))
+        if serves(engine) == EMBEDDING:
+            _embed(engine, requests, write)  # type: ignore[arg-type]
+        else:
+            engine.generate(requests, progress=progress, on_finish=write)  # type: ignore[union-attr, arg-type]
     return summary
+
+
+def _engine(model: str | None, engine_kwargs: dict[str, Any]) -> LLM | EmbeddingEngine:
+    if is_embedding_model(model):
+        assert model is not None
+        return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))
+    return LLM(model, **engine_kwargs)
+
+
+def _embed(engine: EmbeddingEngine, requests: list[EmbeddingRequest],
+           on_finish: Callable[[EmbeddingOutput], None]) -> None:
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            on_finish(out)
 
 
 def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: Any,

@@ -29,10 +29,14 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     o = WorkerOptions(queue=queue or queue_name(model), **{k: v for k, v in kwargs.items() if k in names})
     factory = None
     if llm is None:
-        from engine.llm import LLM
+        from engine.embedding_model import is_embedding_model
         from engine.models.base import UnsupportedModelError
 
         def factory() -> Engine:
+            if model is not None and is_embedding_model(model):
+                from engine.embedding_engine import EmbeddingEngine
+                return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
+            from engine.llm import LLM
             return LLM(model, **engine_kwargs)
 
         try:
@@ -41,3 +45,15 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
             fail_waiting_jobs(o, str(e))
             raise
     return Worker(llm, o, stop_event, factory).run()
+
+
+def embedding_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The engine options an embedding engine has (the CLI's KV cache, policy, ... are generation's);
+    dtype "auto" is float32 there."""
+    from engine.embedding_engine import EmbeddingConfig
+
+    names = {f.name for f in fields(EmbeddingConfig)}
+    out = {k: v for k, v in engine_kwargs.items() if k in names}
+    if out.get("dtype") == "auto":
+        out.pop("dtype")
+    return out

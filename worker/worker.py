@@ -18,13 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.embedding_engine import EmbeddingOutput
 from engine.outputs import Completion
 from engine.protocol import Engine
 from jobs.consumer.commands import Delivery
 from jobs.consumer.session import ConsumerSession
 from jobs.schemas import Job
-from worker.convert import completion_to_result, job_to_request
 from worker.isolation import EngineSick, Isolation
+from worker.kinds import engine_request, engine_result, probe_request, serves
 from worker.metrics import WorkerMetrics
 from worker.options import EngineFactory, WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
@@ -88,7 +89,8 @@ class Worker:
         """The engine's side of our heartbeat."""
         llm = self.llm
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
-                "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining}
+                "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
+                "serves": serves(llm)}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -154,13 +156,13 @@ class Worker:
     def _start(self, h: Held) -> None:
         rid = f"{h.job.id}#{next(self.rids)}"
         try:
-            req = job_to_request(h.job, rid, self.llm.vocab_size)
+            req = engine_request(h.job, rid, self.llm)
         except ValueError as e:
             self._forget(h)
             self.session.settle(h.d, "failed", "invalid_request", str(e))
             return
         try:
-            self.llm.add_request(req)
+            self.llm.add_request(req)  # type: ignore[arg-type]  # an EmbeddingRequest for an EmbeddingEngine
         except Exception as e:  # noqa: BLE001 - this job's failure, unless a probe fails too (isolation)
             log.exception("the engine refused job %s", h.job.id)
             self.iso.failed_alone(h, e)
@@ -173,7 +175,7 @@ class Worker:
         probe = self.iso.next_probe()
         if probe is not None:
             try:
-                self.llm.add_request(probe)
+                self.llm.add_request(probe_request(probe, self.llm))  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001
                 self._sick(e)
             return
@@ -195,7 +197,7 @@ class Worker:
             self._completed(c)
         return True
 
-    def _completed(self, c: Completion) -> None:
+    def _completed(self, c: Completion | EmbeddingOutput) -> None:
         if c.request_id == self.iso.probe_rid:
             accused = self.iso.probe_passed()  # the engine works, so the accused job broke it
             if accused is not None and accused.held.job.id in self.held:
@@ -205,14 +207,15 @@ class Worker:
         if h is None:
             return  # aborted meanwhile
         self._forget(h)
-        # Its KV need, known now without tokenizing the prompt a second time, informs the next pulls.
-        p = h.job.params
-        self.puller.observe(p.n * -(-(c.usage.prompt_tokens + p.max_tokens) // self.block_size))
-        res = completion_to_result(h.job, c, self.llm.tokenizer, started=h.pulled_at, worker=self.id,
-                                   model=self.o.queue)
+        res = engine_result(h.job, c, self.llm, started=h.pulled_at, worker=self.id, model=self.o.queue)
+        # Its KV need (an embedding's: its tokens), known now without tokenizing the prompt a second
+        # time, informs the next pulls.
+        p, u = h.job.params, res.usage
+        new = 0 if h.job.kind == "embedding" else p.max_tokens
+        self.puller.observe(p.n * -(-(u.prompt_tokens + new) // self.block_size))
         self.session.put(h.d, res)
-        self.report.tokens += c.usage.completion_tokens
-        self.metrics.job_done(res.status, c.usage.completion_tokens, h.job.created_at, h.pulled_at)
+        self.report.tokens += u.completion_tokens
+        self.metrics.job_done(res.status, u.completion_tokens, h.job.created_at, h.pulled_at)
 
     def _step_failed(self, e: Exception) -> None:
         self.report.step_failures += 1

@@ -1,0 +1,66 @@
+"""What a worker's engine serves (generation or embeddings), and the job <-> engine conversions for
+each: an embeddings line on a generation model's queue, or the reverse, fails that job alone."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.embedding_engine import EmbeddingOutput, EmbeddingRequest
+from engine.outputs import Completion, Request
+from jobs.embeddings import encode_base64
+from jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
+from worker.convert import completion_to_result, job_to_request
+
+GENERATION, EMBEDDING = "generation", "embedding"
+
+
+def serves(engine: Any) -> str:
+    """``embedding`` for an EmbeddingEngine, ``generation`` for engine.llm.LLM (which has no such field)."""
+    return getattr(engine, "serves", GENERATION)
+
+
+def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingRequest:
+    """The engine request of a job; a ValueError (the job fails as invalid_request) when the engine
+    serves the other kind, or refuses the job's settings."""
+    kind = serves(engine)
+    if (job.kind == "embedding") != (kind == EMBEDDING):
+        if kind == EMBEDDING:
+            raise ValueError(f"this model serves embeddings: a {job.kind} request cannot run on it "
+                             "(send /v1/embeddings lines, or use a generation model's queue)")
+        raise ValueError("this model generates text: a /v1/embeddings request cannot run on it "
+                         "(send it to an embedding model's queue)")
+    if kind == EMBEDDING:
+        assert job.input is not None
+        return EmbeddingRequest(rid, job.input, job.dimensions)
+    return job_to_request(job, rid, engine.vocab_size)
+
+
+def probe_request(probe: Request, engine: Any) -> Request | EmbeddingRequest:
+    """The isolation probe (a generation request) in the engine's own kind."""
+    return EmbeddingRequest(probe.request_id, "probe") if serves(engine) == EMBEDDING else probe
+
+
+def engine_result(job: Job, out: Completion | EmbeddingOutput, engine: Any, *, started: float | None,
+                  worker: str | None, model: str | None) -> Result:
+    if isinstance(out, EmbeddingOutput):
+        return embedding_result(job, out, started=started, worker=worker, model=model)
+    return completion_to_result(job, out, engine.tokenizer, started=started, worker=worker, model=model)
+
+
+def embedding_result(job: Job, out: EmbeddingOutput, *, started: float | None = None, worker: str | None = None,
+                     model: str | None = None) -> Result:
+    """A finished embedding request as the job's Result: each vector as base64 float32 (exact and
+    compact; rendered in the job's encoding_format when read)."""
+    failed = out.error is not None or out.finish_reason == "error"
+    return Result(
+        job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind="embedding",
+        model=job.model or model, status="failed" if failed else "completed",
+        finish_reason=out.finish_reason, usage=ResultUsage(prompt_tokens=out.prompt_tokens),
+        timings=ResultTimings(submitted=job.created_at or None, started=started, first_token=out.timings.first_token,
+                              finished=out.timings.finished or time.time()),
+        worker=worker, embeddings=None if failed else [encode_base64(v) for v in out.embeddings],
+        encoding_format=job.encoding_format,
+        error=ErrorInfo(code="invalid_request", message=out.error or "the engine refused the request") if failed else None,
+    )
+
