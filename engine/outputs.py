@@ -18,6 +18,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None  # chat: function tools, passed to the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: more template options (enable_thinking, ...)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str  # stop | length | abort | error (a structured output ends in "stop" once complete)
     logprobs: list[TokenLogprob] | None = None
+    # A reasoning model's chat reply (engine/reasoning.py): ``text`` is then only the answer.
+    reasoning: str | None = None  # the thinking, without its delimiters; None when the model did not think
+    reasoning_tokens: int = 0  # output tokens of the thinking, delimiters included
 
 
 @dataclass

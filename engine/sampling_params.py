@@ -32,6 +32,8 @@ class SamplingParams:
     # Literal text around the constrained part (a tool call's <tool_call> tags); only with one of the above.
     guided_prefix: str = ""
     guided_suffix: str = ""
+    # Reasoning models (engine/reasoning.py): past this many thinking tokens, the end of thinking is forced.
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +51,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.n >= 1, "n must be >= 1"),
+            (self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0, "max_reasoning_tokens must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (sum(guided) <= 1, "give at most one of guided_json, guided_json_object, guided_regex, guided_choice "
                                "and guided_grammar"),

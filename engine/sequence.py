@@ -32,6 +32,7 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # per-request RNG when seeded
     guide: Any = None  # engine.guided.Guide when the request asks for structured output
+    think: Any = None  # engine.reasoning.ThinkState for a chat request to a reasoning model
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

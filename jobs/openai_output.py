@@ -44,7 +44,8 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     u = result.usage
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
     model = (job.model if job is not None else None) or result.model or DEFAULT_QUEUE
     if kind == "chat":
         out = [{"index": c.index, "message": _message(c), "logprobs": _chat_logprobs(c.logprobs),
@@ -58,9 +59,13 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
 
 
 def _message(c: Choice) -> dict[str, Any]:
-    if not c.tool_calls:
-        return {"role": "assistant", "content": c.text}
-    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.reasoning is not None:
+        # vLLM's field, and its newer name; a reply cut inside its thinking has no answer (content null).
+        msg.update(content=c.text or None, reasoning_content=c.reasoning, reasoning=c.reasoning)
+    if c.tool_calls:
+        msg.update(content=c.text or None, tool_calls=c.tool_calls)
+    return msg
 
 
 def _finish(reason: str | None) -> str:

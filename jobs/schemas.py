@@ -35,6 +35,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_IDS = 1024
 MAX_PRIORITY = 1000  # |priority|; keys.stream_score keeps creation order exact within this range
+MAX_TEMPLATE_KWARGS_CHARS = 100_000
 MAX_DEADLINE = 1e11  # epoch seconds (year 5138): anything later is a unit mistake
 
 
@@ -68,6 +69,10 @@ class SamplingParams(BaseModel):
     guided_grammar: str | None = None  # EBNF (with ::=) or Lark
     guided_prefix: str = ""  # literal text before / after the constrained part (a forced tool call's tags)
     guided_suffix: str = ""
+    # Reasoning models: the most thinking tokens before the end-of-thinking token is forced.
+    max_reasoning_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    # Options for the chat template (vLLM's name), e.g. {"enable_thinking": false}; serialized, sorted keys.
+    chat_template_kwargs: str | None = Field(None, max_length=MAX_TEMPLATE_KWARGS_CHARS)
 
     @field_validator("guided_json", mode="before")
     @classmethod
@@ -82,6 +87,20 @@ class SamplingParams(BaseModel):
             if not isinstance(parsed, dict):
                 raise ValueError("must be a JSON schema (an object, or its JSON text)")
         return v
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs_text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON object") from None
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("must be a JSON object")
+        return json.dumps(v, sort_keys=True)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -150,6 +169,7 @@ class ResultUsage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thinking (delimiters included)
 
 
 class ResultTimings(BaseModel):
@@ -180,6 +200,7 @@ class Choice(BaseModel):
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape; ``text`` is then what surrounds them
+    reasoning: str | None = None  # a reasoning model's thinking; ``text`` is then only the answer
 
 
 class Result(BaseModel):

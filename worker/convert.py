@@ -24,10 +24,12 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
     p = job.params
     if vocab_size is not None and any(t >= vocab_size for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
-    params = EngineParams(**{**p.model_dump(), "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+    fields = p.model_dump(exclude={"chat_template_kwargs"})  # the template's options go with the request
+    params = EngineParams(**{**fields, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
                              "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
+    template_kwargs = json.loads(p.chat_template_kwargs) if p.chat_template_kwargs is not None else None
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
-                   params=params, tools=job.tools)
+                   params=params, tools=job.tools, chat_template_kwargs=template_kwargs)
 
 
 def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: float | None = None,
@@ -37,13 +39,14 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
     decode = _Decoder(tokenizer)
     echo = _prompt_text(job, decode) if job.echo else ""
     choices = [_choice(job, o, echo, decode) for o in c.outputs]
-    keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls for x in choices)
+    keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls or x.reasoning is not None for x in choices)
     return Result(
         job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
         model=job.model or model, status="failed" if failed else "completed", text=choices[0].text if choices else "",
         finish_reason=choices[0].finish_reason if choices else c.finish_reason, choices=choices if keep else [],
         usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens,
-                          cached_tokens=c.usage.cached_tokens),
+                          cached_tokens=c.usage.cached_tokens,
+                          reasoning_tokens=sum(o.reasoning_tokens for o in c.outputs)),
         timings=ResultTimings(submitted=job.created_at or None, started=started, first_token=c.timings.first_token,
                               finished=c.timings.finished or time.time()),
         worker=worker,
@@ -58,7 +61,7 @@ def _choice(job: Job, o: Any, echo: str, decode: _Decoder) -> Choice:
         text, calls = parse_tool_calls(text)
     reason = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
     return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=decode.logprobs(o.logprobs),
-                  tool_calls=calls)
+                  tool_calls=calls, reasoning=o.reasoning)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
