@@ -235,6 +235,8 @@ class LLM:
             seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         return seq
 
     def _completion(self, state: _RequestState) -> Completion:
@@ -247,7 +249,8 @@ class LLM:
         usage = Usage(len(state.prompt_ids), sum(s.num_output_tokens for s in state.seqs),
                       state.seqs[0].num_cached_tokens)
         timings = Timings(state.arrival_time, min(firsts) if firsts else None, max(ends) if ends else time.time())
-        return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings)
+        return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings,
+                          prompt_logprobs=state.seqs[0].prompt_logprobs)
 
     def _num_blocks(self, max_len: int) -> int:
         per_block = self.runner.bytes_per_block()

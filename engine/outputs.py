@@ -42,6 +42,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k (token_id, logprob) at that step
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were likelier
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Completion:
     usage: Usage
     timings: Timings
     error: str | None = None  # set when finish_reason is "error" (e.g. the request can never fit)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: one per prompt token
 
     @property
     def text(self) -> str:

@@ -40,6 +40,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained prefix hash of each full block
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finish_time: float | None = None

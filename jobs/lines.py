@@ -172,12 +172,15 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _completions_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | {"prompt", "logprobs", "best_of", "echo"})
+    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | {"prompt", "logprobs", "best_of", "echo",
+                                                             "prompt_logprobs"})
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise ValueError("body.best_of other than n is not supported")
     sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("logprobs") is not None:
         sampling["logprobs"] = body["logprobs"]
+    if body.get("prompt_logprobs") is not None:
+        sampling["prompt_logprobs"] = body["prompt_logprobs"]
     fields = {"kind": "completion", **_completion_prompt(body.get("prompt"))}
     _add_structured(body, fields, sampling, "body.")
     return fields, sampling
@@ -201,11 +204,13 @@ def _add_structured(obj: dict[str, Any], fields: dict[str, Any], sampling: dict[
             if any(k.startswith("guided_") for k in sampling):
                 raise ValueError(f"{where}tool_choice {choice!r} forces a tool call: no response_format with it")
             sampling.update(forced)
+    if obj.get("prompt_logprobs") is not None and fields["kind"] != "completion":
+        raise ValueError(f"{where}prompt_logprobs is for completions (a prompt), not chat")
     if obj.get("echo"):
         if fields["kind"] != "completion":
             raise ValueError(f"{where}echo is for completions (a prompt), not chat")
-        if obj.get("logprobs") is not None:
-            raise ValueError(f"{where}echo with logprobs (the prompt's logprobs) is not supported")
+        if obj.get("logprobs") is not None:  # the prompt's tokens are scored too (engine/prompt_logprobs.py)
+            sampling.setdefault("prompt_logprobs", obj["logprobs"])
         fields["echo"] = True
 
 

@@ -52,8 +52,12 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
                 "finish_reason": _finish(c.finish_reason)} for c in choices]
         return {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": out, "usage": usage}
-    out = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
-            "finish_reason": _finish(c.finish_reason)} for c in choices]
+    echo = job is not None and job.echo
+    out = [{"index": c.index, "text": c.text, "finish_reason": _finish(c.finish_reason),
+            "logprobs": _completion_logprobs(c.logprobs, c.prompt_logprobs if echo else None)} for c in choices]
+    for o, c in zip(out, choices, strict=True):
+        if c.prompt_logprobs is not None:
+            o["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs)
     return {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage}
 
@@ -84,12 +88,28 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
                         for t in lps]}
 
 
-def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if lps is None:
+def _completion_logprobs(lps: list[TokenLogprob] | None,
+                         prompt: list[TokenLogprob] | None = None) -> dict[str, Any] | None:
+    """OpenAI's completions logprobs; with echo, the prompt's tokens lead (the first with null logprobs,
+    as OpenAI wrote it: nothing came before it)."""
+    if lps is None and prompt is None:
         return None
+    entries = [*(prompt or []), *(lps or [])]
     offsets, pos = [], 0
-    for t in lps:
+    for t in entries:
         offsets.append(pos)
         pos += len(t.token)
-    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in lps], "text_offset": offsets}
+    return {"tokens": [t.token for t in entries], "token_logprobs": [t.logprob for t in entries],
+            "top_logprobs": [{x.token: x.logprob for x in t.top} if t.logprob is not None else None for t in entries],
+            "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for it and its top-k."""
+    def entry(t: TokenLogprob) -> dict[str, Any]:
+        out = {str(x.token_id): {"logprob": x.logprob, "rank": r, "decoded_token": x.token}
+               for r, x in enumerate(t.top, 1)}
+        out.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token})
+        return out
+
+    return [entry(t) if t.logprob is not None else None for t in lps]

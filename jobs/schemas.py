@@ -46,7 +46,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Every number bounded and finite, every list bounded: a value that validates must not crash a step.
-    max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
+    max_tokens: int = Field(256, ge=0, le=MAX_TOKENS)  # 0: score the prompt only (needs prompt_logprobs)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID)
@@ -61,6 +61,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128)
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # top-k per prompt token (echo + logprobs, vLLM's name)
     # Structured output, under vLLM's names (at most one); engine/guided.py enforces it.
     guided_json: str | None = None  # a JSON schema, serialized
     guided_json_object: bool = False
@@ -113,6 +114,8 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 (score the prompt only) needs echo with logprobs, or prompt_logprobs")
         given = [k for k in GUIDED_FIELDS if getattr(self, k) not in (None, False)]
         if len(given) > 1:
             raise ValueError(f"give at most one of {', '.join(GUIDED_FIELDS)} (got {', '.join(given)})")
@@ -190,8 +193,9 @@ class TopLogprob(BaseModel):
 class TokenLogprob(BaseModel):
     token_id: int
     token: str = ""
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token: nothing came before it
     top: list[TopLogprob] = Field(default_factory=list)
+    rank: int | None = None  # prompt tokens: 1 + how many tokens were likelier
 
 
 class Choice(BaseModel):
@@ -201,6 +205,7 @@ class Choice(BaseModel):
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape; ``text`` is then what surrounds them
     reasoning: str | None = None  # a reasoning model's thinking; ``text`` is then only the answer
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, the first's logprob None
 
 
 class Result(BaseModel):
