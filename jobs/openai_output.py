@@ -52,9 +52,8 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
                 "finish_reason": _finish(c.finish_reason)} for c in choices]
         return {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": out, "usage": usage}
-    echo = job is not None and job.echo
-    out = [{"index": c.index, "text": c.text, "finish_reason": _finish(c.finish_reason),
-            "logprobs": _completion_logprobs(c.logprobs, c.prompt_logprobs if echo else None)} for c in choices]
+    out = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
+            "finish_reason": _finish(c.finish_reason)} for c in choices]
     for o, c in zip(out, choices, strict=True):
         if c.prompt_logprobs is not None:
             o["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs)
@@ -88,13 +87,12 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
                         for t in lps]}
 
 
-def _completion_logprobs(lps: list[TokenLogprob] | None,
-                         prompt: list[TokenLogprob] | None = None) -> dict[str, Any] | None:
+def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """OpenAI's completions logprobs; with echo, the prompt's tokens lead (the first with null logprobs,
     as OpenAI wrote it: nothing came before it)."""
-    if lps is None and prompt is None:
+    if lps is None:
         return None
-    entries = [*(prompt or []), *(lps or [])]
+    entries = lps
     offsets, pos = [], 0
     for t in entries:
         offsets.append(pos)

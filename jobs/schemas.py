@@ -193,7 +193,7 @@ class TopLogprob(BaseModel):
 class TokenLogprob(BaseModel):
     token_id: int
     token: str = ""
-    logprob: float | None  # None only for a prompt's first token: nothing came before it
+    logprob: float | None = None  # None only for a prompt's first token: nothing came before it (dropped by exclude_none)
     top: list[TopLogprob] = Field(default_factory=list)
     rank: int | None = None  # prompt tokens: 1 + how many tokens were likelier
 

@@ -50,7 +50,7 @@ def llm(model_dir: Path) -> LLM:
 def hf(model_dir: Path) -> object:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _chat(rid: str, kwargs: dict | None = None, **params: object) -> Request:

@@ -73,8 +73,12 @@ def _choice(job: Job, o: Any, echo: str, decode: _Decoder, prompt_lps: list[Toke
     if job.tools and job.tool_choice != "none":
         text, calls = parse_tool_calls(text)
     reason = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
-    return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=decode.logprobs(o.logprobs),
-                  tool_calls=calls, reasoning=o.reasoning, prompt_logprobs=prompt_lps)
+    logprobs = decode.logprobs(o.logprobs)
+    if job.echo and prompt_lps is not None and logprobs is not None:
+        # echo + logprobs: the prompt's tokens lead the logprobs as they lead the text (OpenAI's shape).
+        logprobs, prompt_lps = prompt_lps + logprobs, None
+    return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=logprobs, tool_calls=calls,
+                  reasoning=o.reasoning, prompt_logprobs=prompt_lps)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:

@@ -54,7 +54,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         def write(c: Completion) -> None:
             result = completion_to_result(by_id[c.request_id], c, engine.tokenizer)
             _write_line(out if result.status == "completed" else err, result_to_output_line(by_id[c.request_id], result))
-            summary.completion_tokens += c.usage.completion_tokens
+            summary.completion_tokens += result.usage.completion_tokens  # 0 for a score-only line
             if result.status == "completed":
                 summary.completed += 1
             else:
