@@ -67,8 +67,9 @@ def cli(verbose: bool) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str,
-             enforce_eager: bool, model_impl: str, max_tokens: int | None, temperature: float | None,
-             top_p: float | None, seed: int | None, resume: bool, no_progress: bool) -> None:
+             enforce_eager: bool, model_impl: str, reasoning_parser: str, max_tokens: int | None,
+             temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
+             resume: bool, no_progress: bool) -> None:
     """Run INPUT_FILE (JSONL; - reads stdin) through the engine in-process, no queue: results to OUTPUT,
     failures to ERRORS.
 
@@ -85,9 +86,9 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
     # The engine writes through its own file object; on stdout that is the process's own stdout.
     target = Path("/dev/stdout") if to_stdout else output_file
     errors = errors_file or (target if to_stdout else default_errors_path(output_file))
-    defaults = sampling_defaults(max_tokens, temperature, top_p, seed)
+    defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl)
+                           model_impl, reasoning_parser)
     t0 = time.time()
     try:
         with readable_input(input_file) as src:

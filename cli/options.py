@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from pydantic import ValidationError
 
 from jobs.schemas import SamplingParams
 from jobs.units import parse_duration, parse_size
@@ -59,6 +60,9 @@ engine_options = [
     env_option("--model-impl", envvar="SLUICE_MODEL_IMPL", type=click.Choice(["auto", "native", "transformers"]),
                default="auto", show_default=True, help="native (Llama family, Qwen3: fastest) or transformers (any "
                "decoder-only model it loads); auto picks native where it exists."),
+    env_option("--reasoning-parser", envvar="SLUICE_REASONING_PARSER", default="auto", show_default=True,
+               help="Think delimiters of a reasoning model: auto (found in the tokenizer's vocabulary), none, or "
+               "qwen3 | deepseek_r1 | seed_oss."),
 ]
 
 sampling_options = [
@@ -66,6 +70,9 @@ sampling_options = [
     click.option("--temperature", type=click.FloatRange(min=0), default=None, help="Default temperature (0 = greedy)."),
     click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top_p."),
     click.option("--seed", type=int, default=None, help="Default seed."),
+    click.option("--chat-template-kwargs", default=None, metavar="JSON",
+                 help='Chat-template options for every line, e.g. \'{"enable_thinking": false}\' (a line\'s own '
+                 'chat_template_kwargs add to these, key by key).'),
 ]
 
 
@@ -84,13 +91,22 @@ def with_sampling_options(f: Any) -> Any:
 
 
 def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: float | None,
-                      seed: int | None) -> SamplingParams:
-    """The sampling settings lines that set none get: the flags given, else SamplingParams' own defaults."""
-    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
-    return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+                      seed: int | None, chat_template_kwargs: str | None = None) -> SamplingParams:
+    """The sampling settings lines that set none get: the flags given, else SamplingParams' own defaults.
+    A bad --chat-template-kwargs is a usage error."""
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+             "chat_template_kwargs": chat_template_kwargs}
+    try:
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "a sampling option"
+        raise click.BadParameter(err["msg"].removeprefix("Value error, "), param_hint=where) from None
 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
-                  policy: str, enforce_eager: bool = False, model_impl: str = "auto") -> dict[str, Any]:
+                  policy: str, enforce_eager: bool = False, model_impl: str = "auto",
+                  reasoning_parser: str = "auto") -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl)
+                kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl,
+                reasoning_parser=reasoning_parser)

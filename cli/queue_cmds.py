@@ -85,10 +85,10 @@ def readable_input(path: Path) -> Iterator[Path]:
 @job_server_errors
 def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | None, errors_file: Path | None,
                max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
-               priority: int, completion_window: float, as_json: bool) -> None:
+               chat_template_kwargs: str | None, priority: int, completion_window: float, as_json: bool) -> None:
     """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines; - reads
     stdin) and print the batch id. Bad lines are reported with their line numbers and the rest runs."""
-    defaults = sampling_defaults(max_tokens, temperature, top_p, seed)
+    defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     if wait and output is None and str(input_file) == STDIO:
         output = Path(STDIO)
     if wait and as_json and str(output) == STDIO:

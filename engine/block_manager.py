@@ -57,8 +57,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of ``seq``. At least one token is left to compute,
         since the last token's logits are needed and its block would otherwise be shared."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return []  # a prompt to score is recomputed whole (engine/prompt_logprobs.py)
         hits: list[int] = []
         bs = self.block_size
         self._hash_blocks(seq, (seq.num_tokens - 1) // bs)

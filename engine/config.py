@@ -31,6 +31,8 @@ class EngineConfig:
     # CPU GEMMs (engine/linear.py): auto = the fastest measured at load | aten | onednn-packed | fp32-compute.
     # Off the CPU, always aten.
     cpu_linear: str = "auto"
+    # Think delimiters (engine/reasoning.py): auto = found in the tokenizer's vocabulary | a parser's name | none.
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -149,20 +149,44 @@ def _clean(msg: str) -> str:
 
 # ---- the step: one bitmask for the constrained rows --------------------------------------------
 def apply_guided_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Mask, in place and on the logits' device, each constrained row to the tokens its grammar allows.
+    """Mask, in place and on the logits' device, each constrained row to the tokens its grammar allows,
+    and each row past its thinking budget to the end-of-thinking token (engine/reasoning.py).
 
     Called between ``compute_logits`` and sampling; on an accelerator the fill runs on the CPU while the
     device still computes the logits (nothing has synchronised yet)."""
-    rows = [i for i, s in enumerate(seqs) if s.guide is not None]
+    rows = [i for i, s in enumerate(seqs) if _masked(s)]
     if not rows:
         return
     xgr = _xgr()
     bitmask = _bitmask(xgr, logits.shape[0], logits.shape[-1])
     for i in rows:
-        seqs[i].guide.fill(bitmask, i)
+        seq = seqs[i]
+        think = seq.think
+        if think is not None and think.must_end():
+            bitmask[i].zero_()
+            _allow(bitmask, i, think.end_id)
+        else:
+            seq.guide.fill(bitmask, i)
+            if think is not None and think.may_start:
+                _allow(bitmask, i, think.start_id)  # a reasoning model may open its thinking first
     if logits.device.type != "cpu":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def _masked(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is constrained: by its grammar, except while it thinks (then only a
+    spent thinking budget constrains it)."""
+    think = seq.think
+    if think is not None and think.thinking:
+        return bool(think.must_end())
+    return seq.guide is not None
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    # xgrammar's bitmask: 32 tokens per int32 word, token t at bit t % 32 of word t // 32.
+    bit = 1 << (token % 32)
+    bitmask[row, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 _local = threading.local()  # per thread (engines in threads step concurrently): vocab -> bitmask buffer
@@ -179,5 +203,8 @@ def _bitmask(xgr: Any, rows: int, vocab: int) -> torch.Tensor:
 
 
 def advance_guide(seq: Sequence, token: int) -> str | None:
-    """Move ``seq``'s grammar past ``token``; "stop" once it is complete, None while it goes on."""
+    """Move ``seq``'s grammar past ``token``; "stop" once it is complete, None while it goes on. A reasoning
+    model's thinking tokens pass the grammar by: it starts after the end of thinking."""
+    if seq.think is not None and seq.think.advance(token):
+        return None
     return seq.guide.advance(token) if seq.guide is not None else None

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 
 from engine.block_manager import BlockManager
+from engine.chat_template import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GuidedDecoding
@@ -28,6 +29,7 @@ from engine.loader import (
 from engine.model_runner import ModelRunner
 from engine.models.select import build_model, pick_model_impl
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
+from engine.reasoning import attach_thinking, find_parser, split_output
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -75,6 +77,7 @@ class LLM:
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+        self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
         self.requests: dict[str, _RequestState] = {}
         self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
@@ -128,6 +131,7 @@ class LLM:
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
         self.guided.attach(seqs, grammar)
+        attach_thinking(seqs, self.reasoning, request, prompt_ids)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -201,8 +205,7 @@ class LLM:
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
+            ids = render_chat(self.tokenizer, request)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -240,17 +243,22 @@ class LLM:
             seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         return seq
 
     def _completion(self, state: _RequestState) -> Completion:
         outs = [CompletionOutput(s.index, s.detok.text if s.detok else "", s.output_token_ids, s.finish_reason or "abort",
                                  s.logprobs) for s in state.seqs]
+        for out in outs:
+            split_output(out, self.reasoning, state.request, state.prompt_ids, self.tokenizer)
         firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
         ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
         usage = Usage(len(state.prompt_ids), sum(s.num_output_tokens for s in state.seqs),
                       state.seqs[0].num_cached_tokens)
         timings = Timings(state.arrival_time, min(firsts) if firsts else None, max(ends) if ends else time.time())
-        return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings)
+        return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings,
+                          prompt_logprobs=state.seqs[0].prompt_logprobs)
 
     def _num_blocks(self, max_len: int) -> int:
         per_block = self.runner.bytes_per_block()

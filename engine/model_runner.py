@@ -17,6 +17,7 @@ from engine.graph_runner import DecodeGraphRunner
 from engine.guided import apply_guided_masks
 from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
+from engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -148,12 +149,16 @@ class ModelRunner:
         """Compute the batch's new tokens; return (sequence, sampled token, logprob) for each sequence
         whose prompt is now wholly computed, i.e. that produces a token this step."""
         self.zero_fresh_blocks(num_touched_blocks)
-        decoded = self.decode_runner.run(batch) if self.decode_runner is not None else None
+        scoring = wants_prompt_logprobs(batch.seqs)  # prompt logprobs need every computed row's hidden state
+        decoded = self.decode_runner.run(batch) if self.decode_runner is not None and not scoring else None
         if decoded is not None:  # a decode-only step, padded to its bucket (a graph replay on CUDA)
             hidden, samplers = decoded
         else:
             input_ids, positions, meta, last_rows, samplers = self.prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[last_rows]
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            if scoring:
+                record_prompt_logprobs(self.model, hidden, batch.seqs, batch.num_new_tokens)
+            hidden = hidden[last_rows]
         if not samplers:
             return []
         logits = self.model.compute_logits(hidden)  # sampled where it lies: only token ids come back

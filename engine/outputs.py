@@ -18,6 +18,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None  # chat: function tools, passed to the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: more template options (enable_thinking, ...)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k (token_id, logprob) at that step
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were likelier
 
 
 @dataclass
@@ -52,6 +54,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str  # stop | length | abort | error (a structured output ends in "stop" once complete)
     logprobs: list[TokenLogprob] | None = None
+    # A reasoning model's chat reply (engine/reasoning.py): ``text`` is then only the answer.
+    reasoning: str | None = None  # the thinking, without its delimiters; None when the model did not think
+    reasoning_tokens: int = 0  # output tokens of the thinking, delimiters included
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Completion:
     usage: Usage
     timings: Timings
     error: str | None = None  # set when finish_reason is "error" (e.g. the request can never fit)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: one per prompt token
 
     @property
     def text(self) -> str:

@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # samples sharing the prompt's KV blocks
     logprobs: int | None = None  # top-k logprobs per generated token
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (engine/prompt_logprobs.py)
     # Structured output (engine/guided.py), at most one of the five; vLLM's names.
     guided_json: str | None = None  # a JSON schema, serialized (a dict is serialized here)
     guided_json_object: bool = False  # any JSON object (response_format json_object)
@@ -32,6 +33,8 @@ class SamplingParams:
     # Literal text around the constrained part (a tool call's <tool_call> tags); only with one of the above.
     guided_prefix: str = ""
     guided_suffix: str = ""
+    # Reasoning models (engine/reasoning.py): past this many thinking tokens, the end of thinking is forced.
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,7 +52,9 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.n >= 1, "n must be >= 1"),
+            (self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0, "max_reasoning_tokens must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (sum(guided) <= 1, "give at most one of guided_json, guided_json_object, guided_regex, guided_choice "
                                "and guided_grammar"),
             (self.guided_choice is None or len(self.guided_choice) > 0, "guided_choice must not be empty"),

@@ -32,6 +32,7 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # per-request RNG when seeded
     guide: Any = None  # engine.guided.Guide when the request asks for structured output
+    think: Any = None  # engine.reasoning.ThinkState for a chat request to a reasoning model
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
@@ -39,6 +40,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained prefix hash of each full block
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finish_time: float | None = None

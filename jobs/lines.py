@@ -57,8 +57,10 @@ _STRUCTURED = frozenset({"response_format", "guided_json", "guided_regex", "guid
 _TOOLS = frozenset({"tools", "tool_choice"})
 _SIMPLE_EMBEDDING = frozenset({"custom_id", "input", "model", "priority", "deadline", "encoding_format",
                                "dimensions"})
+# Reasoning models and chat-template options (vLLM's names); reasoning_effort goes to the template too.
+_REASONING = frozenset({"chat_template_kwargs", "reasoning_effort", "max_reasoning_tokens"})
 _SIMPLE_META = frozenset({"custom_id", "prompt", "prompt_token_ids", "messages", "model", "priority", "deadline",
-                          "response_format", "tools", "tool_choice", "echo"})
+                          "response_format", "tools", "tool_choice", "echo", "reasoning_effort"})
 
 
 def parse_line(text: str, line_no: int, defaults: SamplingParams | None = None, *,
@@ -109,7 +111,12 @@ def _cached_params(defaults: SamplingParams | None, key: tuple[tuple[str, Any], 
 
 def _validate_params(defaults: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
     base = defaults.model_dump(exclude_defaults=True) if defaults is not None else {}
-    return SamplingParams.model_validate({**base, **sampling})
+    merged = {**base, **sampling}
+    if base.get("chat_template_kwargs") and isinstance(sampling.get("chat_template_kwargs"), str | dict):
+        # A line's template options add to the batch's, key by key (as vLLM merges its defaults).
+        line = SamplingParams(chat_template_kwargs=sampling["chat_template_kwargs"]).chat_template_kwargs
+        merged["chat_template_kwargs"] = {**json.loads(base["chat_template_kwargs"]), **json.loads(line or "{}")}
+    return SamplingParams.model_validate(merged)
 
 
 def _describe(e: ValidationError) -> str:
@@ -161,8 +168,8 @@ def _check_body_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
 
 
 def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | _TOOLS | {"messages", "max_completion_tokens",
-                                                                       "logprobs", "top_logprobs"})
+    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | _TOOLS | _REASONING | {
+        "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
     sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
@@ -170,16 +177,20 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         sampling["logprobs"] = body.get("top_logprobs") or 0
     fields = {"kind": "chat", "messages": normalize_messages(body.get("messages"))}
     _add_structured(body, fields, sampling, "body.")
+    _add_reasoning(body, fields, sampling, "body.")
     return fields, sampling
 
 
 def _completions_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | {"prompt", "logprobs", "best_of", "echo"})
+    _check_body_keys(body, _OPENAI_SAMPLING | _STRUCTURED | {"prompt", "logprobs", "best_of", "echo",
+                                                             "prompt_logprobs"})
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise ValueError("body.best_of other than n is not supported")
     sampling = {k: v for k, v in body.items() if k in _OPENAI_SAMPLING and v is not None}
     if body.get("logprobs") is not None:
         sampling["logprobs"] = body["logprobs"]
+    if body.get("prompt_logprobs") is not None:
+        sampling["prompt_logprobs"] = body["prompt_logprobs"]
     fields = {"kind": "completion", **_completion_prompt(body.get("prompt"))}
     _add_structured(body, fields, sampling, "body.")
     return fields, sampling
@@ -203,12 +214,36 @@ def _add_structured(obj: dict[str, Any], fields: dict[str, Any], sampling: dict[
             if any(k.startswith("guided_") for k in sampling):
                 raise ValueError(f"{where}tool_choice {choice!r} forces a tool call: no response_format with it")
             sampling.update(forced)
+    if obj.get("prompt_logprobs") is not None and fields["kind"] != "completion":
+        raise ValueError(f"{where}prompt_logprobs is for completions (a prompt), not chat")
     if obj.get("echo"):
         if fields["kind"] != "completion":
             raise ValueError(f"{where}echo is for completions (a prompt), not chat")
-        if obj.get("logprobs") is not None:
-            raise ValueError(f"{where}echo with logprobs (the prompt's logprobs) is not supported")
+        if obj.get("logprobs") is not None:  # the prompt's tokens are scored too (engine/prompt_logprobs.py)
+            sampling.setdefault("prompt_logprobs", obj["logprobs"])
         fields["echo"] = True
+
+
+def _add_reasoning(obj: dict[str, Any], fields: dict[str, Any], sampling: dict[str, Any], where: str) -> None:
+    """chat_template_kwargs, reasoning_effort (passed to the template as a key of it) and
+    max_reasoning_tokens of a body or simple line: all for chat messages."""
+    given = [k for k in sorted(_REASONING) if obj.get(k) is not None]
+    if given and fields["kind"] != "chat":
+        raise ValueError(f"{where}{given[0]} is for chat messages, not a prompt")
+    for k in ("chat_template_kwargs", "max_reasoning_tokens"):
+        if obj.get(k) is not None:
+            sampling[k] = obj[k]
+    effort = obj.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise ValueError(f"{where}reasoning_effort must be a string (low, medium, high, ...)")
+        kwargs = sampling.get("chat_template_kwargs", {})
+        if isinstance(kwargs, str):
+            kwargs = SamplingParams(chat_template_kwargs=kwargs).chat_template_kwargs or "{}"
+            kwargs = json.loads(kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"{where}chat_template_kwargs must be a JSON object")
+        sampling["chat_template_kwargs"] = {"reasoning_effort": effort, **kwargs}
 
 
 def _response_format(fmt: Any, where: str) -> dict[str, Any]:
@@ -295,6 +330,7 @@ def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], d
         fields["deadline"] = parse_deadline(obj["deadline"])
     sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}
     _add_structured(obj, fields, sampling, "")
+    _add_reasoning(obj, fields, sampling, "")
     return fields, sampling
 
 

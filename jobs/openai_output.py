@@ -47,17 +47,21 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     u = result.usage
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
     model = (job.model if job is not None else None) or result.model or DEFAULT_QUEUE
     if kind == "chat":
         out = [{"index": c.index, "message": _message(c), "logprobs": _chat_logprobs(c.logprobs),
                 "finish_reason": _finish(c.finish_reason)} for c in choices]
         return {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": out, "usage": usage}
-    out = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
-            "finish_reason": _finish(c.finish_reason)} for c in choices]
+    texts: list[dict[str, Any]] = [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
+                                    "finish_reason": _finish(c.finish_reason)} for c in choices]
+    for o, c in zip(texts, choices, strict=True):
+        if c.prompt_logprobs is not None:
+            o["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs)
     return {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": out, "usage": usage}
+            "choices": texts, "usage": usage}
 
 
 def embedding_body(job: Job | None, result: Result) -> dict[str, Any]:
@@ -68,9 +72,13 @@ def embedding_body(job: Job | None, result: Result) -> dict[str, Any]:
 
 
 def _message(c: Choice) -> dict[str, Any]:
-    if not c.tool_calls:
-        return {"role": "assistant", "content": c.text}
-    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.reasoning is not None:
+        # vLLM's field, and its newer name; a reply cut inside its thinking has no answer (content null).
+        msg.update(content=c.text or None, reasoning_content=c.reasoning, reasoning=c.reasoning)
+    if c.tool_calls:
+        msg.update(content=c.text or None, tool_calls=c.tool_calls)
+    return msg
 
 
 def _finish(reason: str | None) -> str:
@@ -82,7 +90,7 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if lps is None:
         return None
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(x.token, x.logprob) for x in t.top]}
@@ -90,11 +98,26 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
 
 
 def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's completions logprobs; with echo, the prompt's tokens lead (the first with null logprobs,
+    as OpenAI wrote it: nothing came before it)."""
     if lps is None:
         return None
+    entries = lps
     offsets, pos = [], 0
-    for t in lps:
+    for t in entries:
         offsets.append(pos)
         pos += len(t.token)
-    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in lps], "text_offset": offsets}
+    return {"tokens": [t.token for t in entries], "token_logprobs": [t.logprob for t in entries],
+            "top_logprobs": [{x.token: x.logprob for x in t.top} if t.logprob is not None else None for t in entries],
+            "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for it and its top-k."""
+    def entry(t: TokenLogprob) -> dict[str, Any]:
+        out = {str(x.token_id): {"logprob": x.logprob, "rank": r, "decoded_token": x.token}
+               for r, x in enumerate(t.top, 1)}
+        out.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token})
+        return out
+
+    return [entry(t) if t.logprob is not None else None for t in lps]

@@ -35,6 +35,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_IDS = 1024
 MAX_PRIORITY = 1000  # |priority|; keys.stream_score keeps creation order exact within this range
+MAX_TEMPLATE_KWARGS_CHARS = 100_000
 MAX_DEADLINE = 1e11  # epoch seconds (year 5138): anything later is a unit mistake
 
 
@@ -45,7 +46,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Every number bounded and finite, every list bounded: a value that validates must not crash a step.
-    max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
+    max_tokens: int = Field(256, ge=0, le=MAX_TOKENS)  # 0: score the prompt only (needs prompt_logprobs)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID)
@@ -60,6 +61,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128)
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # top-k per prompt token (echo + logprobs, vLLM's name)
     # Structured output, under vLLM's names (at most one); engine/guided.py enforces it.
     guided_json: str | None = None  # a JSON schema, serialized
     guided_json_object: bool = False
@@ -68,6 +70,10 @@ class SamplingParams(BaseModel):
     guided_grammar: str | None = None  # EBNF (with ::=) or Lark
     guided_prefix: str = ""  # literal text before / after the constrained part (a forced tool call's tags)
     guided_suffix: str = ""
+    # Reasoning models: the most thinking tokens before the end-of-thinking token is forced.
+    max_reasoning_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    # Options for the chat template (vLLM's name), e.g. {"enable_thinking": false}; serialized, sorted keys.
+    chat_template_kwargs: str | None = Field(None, max_length=MAX_TEMPLATE_KWARGS_CHARS)
 
     @field_validator("guided_json", mode="before")
     @classmethod
@@ -83,6 +89,20 @@ class SamplingParams(BaseModel):
                 raise ValueError("must be a JSON schema (an object, or its JSON text)")
         return v
 
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs_text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON object") from None
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("must be a JSON object")
+        return json.dumps(v, sort_keys=True)
+
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, v: Any) -> Any:
@@ -94,6 +114,8 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 (score the prompt only) needs echo with logprobs, or prompt_logprobs")
         given = [k for k in GUIDED_FIELDS if getattr(self, k) not in (None, False)]
         if len(given) > 1:
             raise ValueError(f"give at most one of {', '.join(GUIDED_FIELDS)} (got {', '.join(given)})")
@@ -160,6 +182,7 @@ class ResultUsage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thinking (delimiters included)
 
 
 class ResultTimings(BaseModel):
@@ -180,8 +203,9 @@ class TopLogprob(BaseModel):
 class TokenLogprob(BaseModel):
     token_id: int
     token: str = ""
-    logprob: float
+    logprob: float | None = None  # None only for a prompt's first token: nothing came before it (dropped by exclude_none)
     top: list[TopLogprob] = Field(default_factory=list)
+    rank: int | None = None  # prompt tokens: 1 + how many tokens were likelier
 
 
 class Choice(BaseModel):
@@ -190,6 +214,8 @@ class Choice(BaseModel):
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape; ``text`` is then what surrounds them
+    reasoning: str | None = None  # a reasoning model's thinking; ``text`` is then only the answer
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, the first's logprob None
 
 
 class Result(BaseModel):

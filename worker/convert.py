@@ -7,9 +7,10 @@ import math
 import re
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
-from engine.outputs import Completion, Request
+from engine.outputs import Completion, CompletionOutput, Request
 from engine.outputs import TokenLogprob as EngineLogprob
 from engine.sampling_params import SamplingParams as EngineParams
 from jobs.lines import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -24,10 +25,14 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
     p = job.params
     if vocab_size is not None and any(t >= vocab_size for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
-    params = EngineParams(**{**p.model_dump(), "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+    fields = p.model_dump(exclude={"chat_template_kwargs"})  # the template's options go with the request
+    # max_tokens 0 scores the prompt only: the engine samples one token, which the result leaves out.
+    fields["max_tokens"] = max(p.max_tokens, 1)
+    params = EngineParams(**{**fields, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
                              "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
+    template_kwargs = json.loads(p.chat_template_kwargs) if p.chat_template_kwargs is not None else None
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
-                   params=params, tools=job.tools)
+                   params=params, tools=job.tools, chat_template_kwargs=template_kwargs)
 
 
 def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: float | None = None,
@@ -36,14 +41,20 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
     failed = c.error is not None or c.finish_reason == "error"
     decode = _Decoder(tokenizer)
     echo = _prompt_text(job, decode) if job.echo else ""
-    choices = [_choice(job, o, echo, decode) for o in c.outputs]
-    keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls for x in choices)
+    score_only = job.params.max_tokens == 0 and not failed
+    outputs = [_scored_only(o) for o in c.outputs] if score_only else c.outputs
+    prompt_lps = decode.prompt_logprobs(c.prompt_logprobs, c.prompt_token_ids)
+    choices = [_choice(job, o, echo, decode, prompt_lps) for o in outputs]
+    keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls or x.reasoning is not None
+                                   or x.prompt_logprobs is not None for x in choices)
     return Result(
         job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
         model=job.model or model, status="failed" if failed else "completed", text=choices[0].text if choices else "",
         finish_reason=choices[0].finish_reason if choices else c.finish_reason, choices=choices if keep else [],
-        usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens,
-                          cached_tokens=c.usage.cached_tokens),
+        usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens,
+                          completion_tokens=0 if score_only else c.usage.completion_tokens,
+                          cached_tokens=c.usage.cached_tokens,
+                          reasoning_tokens=sum(o.reasoning_tokens for o in c.outputs)),
         timings=ResultTimings(submitted=job.created_at or None, started=started, first_token=c.timings.first_token,
                               finished=c.timings.finished or time.time()),
         worker=worker,
@@ -52,13 +63,22 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
     )
 
 
-def _choice(job: Job, o: Any, echo: str, decode: _Decoder) -> Choice:
+def _scored_only(o: CompletionOutput) -> CompletionOutput:
+    """A max_tokens 0 request's output: the token the engine had to sample left out."""
+    return replace(o, text="", token_ids=[], finish_reason="length", logprobs=[] if o.logprobs is not None else None)
+
+
+def _choice(job: Job, o: Any, echo: str, decode: _Decoder, prompt_lps: list[TokenLogprob] | None) -> Choice:
     text, calls = o.text, None
     if job.tools and job.tool_choice != "none":
         text, calls = parse_tool_calls(text)
     reason = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
-    return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=decode.logprobs(o.logprobs),
-                  tool_calls=calls)
+    logprobs = decode.logprobs(o.logprobs)
+    if job.echo and prompt_lps is not None and logprobs is not None:
+        # echo + logprobs: the prompt's tokens lead the logprobs as they lead the text (OpenAI's shape).
+        logprobs, prompt_lps = prompt_lps + logprobs, None
+    return Choice(index=o.index, text=echo + text, finish_reason=reason, logprobs=logprobs, tool_calls=calls,
+                  reasoning=o.reasoning, prompt_logprobs=prompt_lps)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
@@ -105,9 +125,18 @@ class _Decoder:
     def logprobs(self, lps: list[EngineLogprob | None] | None) -> list[TokenLogprob] | None:
         if lps is None:
             return None
-        return [TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=_finite(t.logprob),
-                             top=[TopLogprob(token_id=i, token=self.text(i), logprob=_finite(lp)) for i, lp in t.top])
-                for t in lps if t is not None]
+        return [self.one(t) for t in lps if t is not None]
+
+    def prompt_logprobs(self, lps: list[EngineLogprob | None] | None, ids: list[int]) -> list[TokenLogprob] | None:
+        if lps is None:
+            return None
+        return [self.one(t) if t is not None else TokenLogprob(token_id=i, token=self.text(i), logprob=None)
+                for t, i in zip(lps, ids, strict=True)]
+
+    def one(self, t: EngineLogprob) -> TokenLogprob:
+        return TokenLogprob(token_id=t.token_id, token=self.text(t.token_id), logprob=_finite(t.logprob),
+                            top=[TopLogprob(token_id=i, token=self.text(i), logprob=_finite(lp)) for i, lp in t.top],
+                            rank=t.rank)
 
 
 def _finite(logprob: float) -> float:
