@@ -11,6 +11,7 @@ waiting on the model, 429 with Retry-After. ``/v1/embeddings`` waits for embeddi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -139,14 +140,24 @@ def _queue(state: AppState, job: Job, url: str) -> _Call:
 def _waiter(request: Request, call: _Call, deltas: bool) -> Waiter:
     app = request.app
     if getattr(app.state, "aredis", None) is None:
-        app.state.aredis = interactive.async_connect(call.state.settings.redis_url)
+        s = call.state.settings
+        app.state.aredis = interactive.async_connect(s.redis_url, s.interactive_max_waiting)
     return Waiter(app.state.aredis, call.batch_id, deltas)
 
 
 # ---- not streamed -----------------------------------------------------------------------------------
+async def _gone(request: Request) -> None:
+    """Returns once the client has gone away. Its own task: ``request.is_disconnected()`` never sees a
+    disconnect behind a BaseHTTPMiddleware (its receive wrapper always yields, so a non-blocking peek is
+    cancelled first), while a blocking receive returns ``http.disconnect`` when it comes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _answer(request: Request, call: _Call) -> Any:
     waiter = _waiter(request, call, deltas=False)
     status = "500"
+    gone = asyncio.ensure_future(_gone(request))
     try:
         while True:
             left = call.deadline - time.monotonic()
@@ -159,10 +170,11 @@ async def _answer(request: Request, call: _Call) -> Any:
                 call.answered = True
                 status, response = _response(call, result)
                 return response
-            if await request.is_disconnected():
+            if gone.done():
                 status = "499"  # the client closed the request: its job is cancelled in close()
                 return JSONResponse(error_body(400, "the client went away", code="client_closed"), status_code=499)
     finally:
+        gone.cancel()
         call.metrics(request).latency.labels(call.url, "false", status).observe(time.monotonic() - call.started)
 
 

@@ -118,11 +118,12 @@ class Waiter:
         return bool(await self.ar.exists(keys.heartbeat(worker_id)))
 
 
-def async_connect(url: str | None = None) -> aioredis.Redis:
-    """An asyncio client of the job server (the API's waits are blocking reads: one connection each, not
-    one thread each)."""
+def async_connect(url: str | None, max_waiting: int) -> aioredis.Redis:
+    """An asyncio client of the job server. Each waiting request holds a connection for its blocking read
+    (a connection each, not a thread each): room for ``max_waiting`` of them, and a few more."""
     url = url or redis_url()
-    opts: dict[str, Any] = {"decode_responses": True, "socket_connect_timeout": 2.0, "health_check_interval": 30}
+    opts: dict[str, Any] = {"decode_responses": True, "socket_connect_timeout": 2.0, "health_check_interval": 30,
+                            "max_connections": max_waiting + 64}
     if is_cluster_url(url):
         return AsyncCluster.from_url(url.replace("+cluster", "", 1), **opts)  # type: ignore[return-value]
     return aioredis.Redis.from_url(url, **opts)

@@ -72,12 +72,12 @@ def _expected(llm: Any, reqs: list[dict[str, Any]]) -> list[str]:
     from engine.outputs import Request
     from engine.sampling_params import SamplingParams
 
-    out = []
+    todo = []
     for i, q in enumerate(reqs):
         params = SamplingParams(max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=q.get("ignore_eos", False))
         kw = {"messages": q["messages"]} if "messages" in q else {"prompt": q["prompt"]}
-        out.append(llm.generate([Request(f"ref-{i}", params=params, **kw)])[0].text)
-    return out
+        todo.append(Request(f"ref-{i}", params=params, **kw))
+    return [c.text for c in llm.generate(todo)]
 
 
 def _requests(rng: random.Random, n: int) -> list[dict[str, Any]]:
@@ -100,7 +100,9 @@ def _streamed_text(chunks: list[Any], chat: bool) -> str:
 
 
 def _sync_call(client: openai.OpenAI, q: dict[str, Any]) -> str:
-    chat, kw = "messages" in q, dict(q, model="tiny", temperature=0)
+    chat = "messages" in q
+    kw = {**{k: v for k, v in q.items() if k != "ignore_eos"}, "model": "tiny", "temperature": 0,
+          "extra_body": {"ignore_eos": q.get("ignore_eos", False)}}
     if chat:
         if q["stream"]:
             return _streamed_text(list(client.chat.completions.create(**kw)), True)
@@ -111,7 +113,9 @@ def _sync_call(client: openai.OpenAI, q: dict[str, Any]) -> str:
 
 
 async def _async_call(client: openai.AsyncOpenAI, q: dict[str, Any]) -> str:
-    chat, kw = "messages" in q, dict(q, model="tiny", temperature=0)
+    chat = "messages" in q
+    kw = {**{k: v for k, v in q.items() if k != "ignore_eos"}, "model": "tiny", "temperature": 0,
+          "extra_body": {"ignore_eos": q.get("ignore_eos", False)}}
     if chat:
         if q["stream"]:
             return _streamed_text([c async for c in await client.chat.completions.create(**kw)], True)
@@ -236,13 +240,18 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
             r = connect()
             wait_for(lambda: r.exists(keys.heartbeat("worker-a")), 120, "worker a")
             plain = [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))}],
-                      "max_tokens": 24, "ignore_eos": True, "stream": False} for _ in range(6)]
+                      "max_tokens": 1500, "ignore_eos": True, "stream": False} for _ in range(6)]
             streams = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(4)), "max_tokens": 3000,
                         "ignore_eos": True, "stream": True} for _ in range(3)]
             started: set[int] = set()
 
+            killed_at: list[float] = []
+            answered_at: list[float] = []
+
             async def plain_call(client: openai.AsyncOpenAI, q: dict[str, Any]) -> str:
-                return await _async_call(client, q)
+                text = await _async_call(client, q)
+                answered_at.append(time.monotonic())
+                return text
 
             async def stream_call(client: openai.AsyncOpenAI, q: dict[str, Any]) -> str | Exception:
                 kw = {k: v for k, v in q.items() if k != "ignore_eos"}
@@ -261,6 +270,7 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
                 while len(started) < len(streams):
                     await asyncio.sleep(0.02)
                 os.kill(a.pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
                 return worker_process(tiny_model_dir, "worker-b", log=tmp_path / "b.log")
 
             async def run() -> tuple[list[Any], Any]:
@@ -275,6 +285,7 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
             got, b = asyncio.run(run())
             stream_out, plain_out = got[:len(streams)], got[len(streams):]
             assert plain_out == _expected(reference, plain)
+            assert min(answered_at) > killed_at[0]  # none had finished on a: each was re-run by b
             for out in stream_out:
                 assert isinstance(out, openai.APIError), out
                 assert "worker" in out.message
