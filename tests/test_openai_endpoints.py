@@ -295,3 +295,40 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
                     p.send_signal(signal.SIGTERM)
                     p.wait(60)
             assert stop(proc) == 0
+
+
+def test_streamed_pieces_add_up_to_the_final_text(reference: Any) -> None:
+    """worker/streaming.py on the engine itself: the pieces of each sample are a prefix of its final text
+    (the rest comes with the result), and never run past where a stop string cuts it."""
+    from engine.outputs import Request
+    from engine.sampling_params import SamplingParams
+    from jobs.consumer.commands import Delivery
+    from jobs.schemas import Job
+    from worker.streaming import TextStreams
+
+    rng = random.Random(fresh_seed())
+    streams = TextStreams(reference.tokenizer)
+    sent: dict[str, str] = {}
+    final: dict[str, str] = {}
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(6)]
+    # A stop string that does occur: three characters of what each prompt generates.
+    peeks = reference.generate([Request(f"peek{i}", prompt=p, params=SamplingParams(max_tokens=12, ignore_eos=True))
+                                for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        stop = [peeks[i].text[5:8]] if i % 2 and peeks[i].text[5:8] else []
+        params = SamplingParams(max_tokens=rng.randint(4, 24), ignore_eos=True, stop=stop)
+        reference.add_request(Request(f"s{i}", prompt=prompt, params=params))
+        job = Job(custom_id=f"s{i}", prompt=prompt, stream=True, batch_id="b", idx=i)
+        streams.add(f"s{i}", Delivery(job, "stream", f"{i}-0", 1))
+        sent[f"s{i}"] = ""
+    while reference.has_unfinished():
+        for c in reference.step():
+            final[c.request_id] = c.text
+            streams.discard(c.request_id)
+        for d, index, text in streams.step(reference):
+            assert index == 0
+            sent[d.job.custom_id] += text
+    assert len(final) == 6
+    for rid, text in final.items():
+        assert text.startswith(sent[rid]), (rid, sent[rid], text)
+    assert any(sent.values())
