@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from api import dashboard, errors, routes_batches, routes_files, routes_jobs
+from api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
 from api.gate import Gate
-from api.metrics import make_registry, request_labels
+from api.metrics import OpenAIMetrics, make_registry, request_labels
 from api.settings import Settings
 from api.state import AppState, State, require_key
 from api.validation import max_line_bytes
@@ -48,13 +48,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sluice = state
     errors.install(app)
     auth = [Depends(require_key)]
-    for r in (routes_files.router, routes_batches.router, routes_jobs.router):
+    for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router):
         app.include_router(r, dependencies=auth)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"], summary="Health of the API and job server")
     registry, requests = make_registry(state.redis)
+    app.state.openai_metrics = OpenAIMetrics(registry)
     app.add_api_route("/metrics", _metrics_route(registry), methods=["GET"], tags=["ops"],
                       response_class=Response, summary="Prometheus metrics")
     s = state.settings  # the gate: the key and the body's size are checked before anything reads the body

@@ -14,8 +14,8 @@ from jobs.spill import SpilledResultsMissing
 from jobs.submit import JobServerFull
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error",
-          507: "server_error"}
+          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+          503: "server_error", 504: "server_error", 507: "server_error"}
 
 
 class ApiError(Exception):

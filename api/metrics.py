@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,3 +83,18 @@ def make_registry(get_redis: Callable[[], redis.Redis]) -> tuple[CollectorRegist
     requests = Counter("sluice_api_requests", "HTTP requests answered", ["method", "route", "status"],
                        registry=registry)
     return registry, requests
+
+
+# Seconds, from a fast interactive answer on a GPU to a long generation behind a busy queue.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class OpenAIMetrics:
+    """The interactive endpoints' latency (request in to last byte out, by endpoint, streamed or not, and
+    outcome) and, for streams, the time to the first token."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency = Histogram("sluice_api_request_latency_seconds", "Interactive requests: seconds to the answer",
+                                 ["endpoint", "stream", "status"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("sluice_api_time_to_first_token_seconds", "Streamed requests: seconds to the first text",
+                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)

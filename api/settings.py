@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import field_validator
 
+from jobs.schemas import MAX_PRIORITY
 from jobs.settings import JobPlaneSettings
 from jobs.units import parse_size
 
@@ -19,13 +20,34 @@ class Settings(JobPlaneSettings):
     max_batch_lines: int = 50_000
     # Characters, not tokens: the API never loads a tokenizer. 256k chars is roughly 64k tokens.
     max_prompt_chars: int = 256 * 1024
+    interactive_priority: int = 100
+    """SLUICE_INTERACTIVE_PRIORITY: the queue priority of /v1/chat/completions and /v1/completions requests
+    (batches default to 0: higher is pulled first)."""
+    interactive_timeout: float = 600.0
+    """SLUICE_INTERACTIVE_TIMEOUT: seconds such a request waits for its answer; then 504, its job cancelled."""
+    interactive_max_waiting: int = 4096
+    """SLUICE_INTERACTIVE_MAX_WAITING: such requests waiting per model at most (over all API replicas); past it, 429."""
 
     @field_validator("max_upload_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
 
-    @field_validator("max_upload_bytes", "max_batch_lines", "max_prompt_chars")
+    @field_validator("interactive_priority")
+    @classmethod
+    def _priority(cls, v: int) -> int:
+        if not -MAX_PRIORITY <= v <= MAX_PRIORITY:
+            raise ValueError(f"must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
+        return v
+
+    @field_validator("interactive_timeout")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("must be more than 0 seconds")
+        return v
+
+    @field_validator("max_upload_bytes", "max_batch_lines", "max_prompt_chars", "interactive_max_waiting")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

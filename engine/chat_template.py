@@ -16,7 +16,7 @@ def render_chat(tokenizer: Any, request: Request) -> list[int]:
     import jinja2
 
     extra = dict(request.chat_template_kwargs or {})
-    taken = sorted(set(extra) & _own_arguments(type(tokenizer))  # type: ignore[arg-type]  # a class is hashable)
+    taken = sorted(set(extra) & _own_arguments(type(tokenizer)))  # type: ignore[arg-type]  # a class is hashable
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {taken[0]!r} (an argument of apply_chat_template itself)")
     try:

@@ -149,6 +149,12 @@ class LLM:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._rejected)
 
+    def tokens_so_far(self, request_id: str) -> tuple[int, list[list[int]]] | None:
+        """(prompt length, each sample's token ids so far, prompt first) of a request in flight, for a
+        caller that streams text (None: not in flight). The lists are the engine's: read, never change."""
+        state = self.requests.get(request_id)
+        return None if state is None else (len(state.prompt_ids), [s.token_ids for s in state.seqs])
+
     def step(self) -> list[Completion]:
         """Run one iteration; return the requests that finished in it."""
         done, self._rejected = self._rejected, []

@@ -104,6 +104,11 @@ def spill_lock(batch_id: str) -> str:
     return _b(batch_id, "spill_lock")
 
 
+def deltas(batch_id: str) -> str:
+    """Stream of a streaming interactive request's text as it is generated (fields in jobs/interactive.py)."""
+    return _b(batch_id, "deltas")
+
+
 def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
@@ -142,6 +147,12 @@ def ready_streams(queue: str) -> str:
     A reader that finds one empty takes it out and reads it once more (jobs/consumer/commands.py); a writer
     adds it after every XADD. So an empty stream never hides one with work, however many there are."""
     return f"{PREFIX}:queue:{queue}:ready"
+
+
+def interactive(queue: str) -> str:
+    """Sorted set: the interactive requests (one-job batches) of a model waiting for their answer, scored by
+    admission time; its size is the bound behind the API's 429 (jobs/interactive.py)."""
+    return f"{PREFIX}:queue:{queue}:interactive"
 
 
 def cancels(queue: str) -> str:

@@ -158,6 +158,7 @@ class Job(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
     deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
+    stream: bool | None = None  # an interactive request streaming its text (jobs/interactive.py); None: no
 
     @model_validator(mode="after")
     def _one_input(self) -> Job:

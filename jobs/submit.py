@@ -280,3 +280,25 @@ def _finish_cancel(r: redis.Redis, scripts: Scripts, batch_id: str, total: int, 
     if r.hget(keys.meta(batch_id), "status") != "cancelling":
         return
     sweep_all(r, scripts, batch_id, total, "cancelled", "batch_cancelled", "the batch was cancelled")
+
+
+def submit_job(r: redis.Redis, job: Job, queue: str, *, batch_id: str, priority: int,
+               metadata: dict[str, str] | None = None, completion_window: float = DEFAULT_WINDOW) -> Batch:
+    """Queue one already parsed Job as a one-job batch ``batch_id`` on ``queue`` at ``priority`` (the
+    API's interactive requests: their Job carries fields no input line spells, such as ``stream``)."""
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
+    sub = _Submission(r, batch_id, queue, None, priority, CHUNK)
+    sub.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
+    try:
+        sub.create(completion_window, metadata, None)
+        sub._enqueue(job.model_copy(update={"id": f"{sub.bid}:0", "batch_id": sub.bid, "idx": 0, "priority": priority,
+                                            "created_at": sub.now}))
+        sub.flush()
+        sub.wait()
+        return sub.finalize()
+    except redis.ResponseError as e:
+        if not is_full(e):
+            raise
+        sub.abandon()
+        raise JobServerFull(f"the job server is full (Redis maxmemory reached); nothing was queued: {e}") from None

@@ -261,12 +261,16 @@ def _exported(families: list) -> dict[str, str]:  # type: ignore[type-arg]
 
 
 def test_metrics_table_matches_the_registries() -> None:
-    from api.metrics import JobPlaneCollector, make_registry
+    from prometheus_client import CollectorRegistry
+
+    from api.metrics import JobPlaneCollector, OpenAIMetrics, make_registry
     from worker.metrics import WorkerMetrics
 
     worker = _exported(list(WorkerMetrics("q", "w").registry.collect()))
     _, requests = make_registry(lambda: None)  # type: ignore[arg-type,return-value]
     api = _exported([*JobPlaneCollector(lambda: None).describe(), *requests.describe()])  # type: ignore[arg-type,return-value]
+    online = OpenAIMetrics(CollectorRegistry())
+    api |= _exported([*online.latency.describe(), *online.ttft.describe()])
     rows = {ticked(r["Metric"])[0]: r for r in table_with("Metric", "`sluice_job_server_up`")}
     for name, r in rows.items():
         by = {w.strip() for w in r["Exported by"].split(",")}

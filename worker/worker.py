@@ -29,6 +29,7 @@ from worker.kinds import engine_request, engine_result, probe_request, serves
 from worker.metrics import WorkerMetrics
 from worker.options import EngineFactory, WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
+from worker.streaming import TextStreams
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Worker:
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
         self._write_errors = 0
+        self.text_streams = TextStreams(llm.tokenizer)  # streaming jobs' text, published after each step
 
     def _status(self) -> dict[str, Any]:
         """The engine's side of our heartbeat."""
@@ -169,6 +171,8 @@ class Worker:
             return
         h.rid = rid
         self.by_rid[rid] = h
+        if h.job.stream:
+            self.text_streams.add(rid, h.d)
 
     def _next_isolated(self) -> None:
         """With the engine idle: the probe if a job stands accused, else the next suspect alone."""
@@ -195,6 +199,8 @@ class Worker:
         self.report.steps += 1
         for c in done:
             self._completed(c)
+        if self.text_streams:
+            self.session.stream(self.text_streams.step(self.llm))
         return True
 
     def _completed(self, c: Completion | EmbeddingOutput) -> None:
@@ -258,6 +264,7 @@ class Worker:
         if h.rid is None:
             return
         self.by_rid.pop(h.rid, None)
+        self.text_streams.discard(h.rid)
         rid, h.rid = h.rid, None
         try:
             self.llm.abort(rid)
@@ -274,6 +281,7 @@ class Worker:
 
     def _forget(self, h: Held) -> None:
         self.held.pop(h.job.id, None)
+        self.text_streams.discard(h.rid)
         if h.rid is not None:
             self.by_rid.pop(h.rid, None)
         self.iso.discard(h)

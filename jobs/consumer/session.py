@@ -11,6 +11,7 @@ knows no Redis:
     settle(d, ...)         an outcome for a job that did not run (cancelled, expired, refused)
     charge(d, error)       a failed attempt: "retry", "dead" (dead-lettered) or "lost" (taken by another)
     hand_back(ds)          unfinished jobs back to the queue (a drain); False while Redis is away
+    stream(texts)          new text of jobs that stream it (interactive requests)
     cancels()              cancel events that arrived since the last call
     lost(ds)               after our heartbeat lapsed: the deliveries another worker took
     close()                write what is held, sign off
@@ -31,6 +32,7 @@ from typing import Any, Literal, TypeVar
 
 import redis
 
+from jobs import interactive
 from jobs.consumer import commands, outcomes
 from jobs.consumer.cancel_feed import CancelFeed
 from jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
@@ -244,6 +246,18 @@ class ConsumerSession:
         """A job's result, to be written (and its stream entry acknowledged) by the writer thread."""
         self.outbox.add(Outcome(d.batch_id, d.job.idx, result.status, result.model_dump_json(exclude_none=True),
                                 d.stream, d.entry_id))
+
+    def stream(self, texts: list[tuple[Delivery, int, str]]) -> None:
+        """New text of streaming jobs, (delivery, sample index, text) each, appended now in one round trip
+        (a step's worth; the final result completes it, so text lost while Redis is away is not fatal)."""
+        if texts:
+            self._guard(self._append_deltas, texts)
+
+    def _append_deltas(self, texts: list[tuple[Delivery, int, str]]) -> None:
+        pipe = self.link.r.pipeline(transaction=False)
+        for d, index, text in texts:
+            interactive.append_deltas(pipe, d.batch_id, self.id, d.deliveries, [(index, text)])
+        pipe.execute()
 
     def settle(self, d: Delivery, status: str, code: str, message: str) -> None:
         self.outbox.add(outcomes.settled(d, status, code, message, self.id, self.queue))

@@ -1,0 +1,326 @@
+"""OpenAI's online endpoints on the queue: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+The body is checked exactly as a batch line's body (jobs/lines.py: same fields, limits and error
+shapes), becomes one job at the interactive priority (jobs/interactive.py has the design: a one-job
+batch, a blocking read for its result, text deltas through a stream per request), and the answer is
+OpenAI's response (jobs/openai_output.py) or, with ``stream: true``, its chunks as server-sent events
+ending in ``data: [DONE]``. A client that goes away cancels its job; one that waits past
+SLUICE_INTERACTIVE_TIMEOUT gets 504 (its job cancelled); past SLUICE_INTERACTIVE_MAX_WAITING requests
+waiting on the model, 429 with Retry-After. ``/v1/embeddings`` waits for embeddings in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import ApiError, error_body
+from api.metrics import OpenAIMetrics
+from api.state import AppState, get_state
+from api.validation import check_job, named_model
+from jobs import interactive
+from jobs.interactive import Delta, Waiter
+from jobs.lines import LineError, parse_line
+from jobs.openai_output import completion_body
+from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
+from jobs.submit import UnknownModel, resolve_model, submit_job
+
+router = APIRouter(tags=["openai"])
+
+BLOCK_S = 1.0  # seconds per blocking read: between reads, the client's presence and the worker's are checked
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+STALE_AFTER_FACTOR = 2  # an admitted request older than this many timeouts is one whose API died
+
+
+@router.post("/v1/chat/completions", summary="A chat completion, run on the queue (OpenAI's shape)")
+async def chat_completions(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
+    return await _serve(request, body, CHAT_URL)
+
+
+@router.post("/v1/completions", summary="A text completion, run on the queue (OpenAI's shape)")
+async def completions(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
+    return await _serve(request, body, COMPLETIONS_URL)
+
+
+@dataclass
+class _Call:
+    """One request on its way: where it is queued, and how long it may wait."""
+
+    state: AppState
+    job: Job
+    queue: str
+    batch_id: str
+    url: str
+    started: float = field(default_factory=time.monotonic)
+    answered: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.state.settings.interactive_timeout
+
+    def metrics(self, request: Request) -> OpenAIMetrics:
+        return request.app.state.openai_metrics
+
+    async def close(self) -> None:
+        """Its keys go; an unanswered job is cancelled (a worker running it aborts it). Shielded: this runs
+        while the request is being cancelled (the client went away)."""
+        r = self.state.redis()
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(interactive.close, r, self.queue, self.batch_id, not self.answered)
+
+
+async def _serve(request: Request, body: dict[str, Any], url: str) -> Any:
+    stream, include_usage = _stream_options(body)
+    state = get_state(request)
+    job = _parse(body, url, state.settings.max_prompt_chars)
+    if stream:
+        job = job.model_copy(update={"stream": True})
+    call = await run_in_threadpool(_queue, state, job, url)
+    if stream:
+        return StreamingResponse(_sse(request, call, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await _answer(request, call)
+    finally:
+        await call.close()
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options``, taken out of the body (a batch line has neither)."""
+    stream = body.pop("stream", False)
+    opts = body.pop("stream_options", None)
+    if stream not in (True, False, None):
+        raise ApiError(400, "stream must be a boolean", code="invalid_request", param="stream")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", code="invalid_request", param="stream_options")
+    return bool(stream), bool((opts or {}).get("include_usage"))
+
+
+def _parse(body: dict[str, Any], url: str, max_prompt_chars: int) -> Job:
+    """The body read as the body of a batch line for ``url``."""
+    text = json.dumps({"custom_id": "request", "method": "POST", "url": url, "body": body})
+    try:
+        job = parse_line(text, 1)
+        check_job(job, max_prompt_chars)
+    except LineError as e:
+        raise ApiError(400, e.message, code=e.code) from None
+    return job
+
+
+def _queue(state: AppState, job: Job, url: str) -> _Call:
+    """Admit the request and queue its job (in the thread pool: these are blocking round trips)."""
+    r, s = state.redis(), state.settings
+    try:
+        queue = resolve_model(r, named_model(job))
+    except UnknownModel as e:
+        raise ApiError(400, str(e), code="model_not_found", param="model") from None
+    call = _Call(state, job, queue, interactive.new_request_id(), url)
+    if not interactive.admit(r, queue, call.batch_id, s.interactive_max_waiting,
+                             STALE_AFTER_FACTOR * s.interactive_timeout):
+        raise ApiError(429, f"{s.interactive_max_waiting} requests are already waiting on model {queue!r}; retry "
+                       "shortly", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    try:
+        submit_job(r, job, queue, batch_id=call.batch_id, priority=s.interactive_priority,
+                   metadata={"interactive": url}, completion_window=STALE_AFTER_FACTOR * s.interactive_timeout)
+    except BaseException:
+        interactive.close(r, queue, call.batch_id, cancel=False)
+        raise
+    return call
+
+
+def _waiter(request: Request, call: _Call, deltas: bool) -> Waiter:
+    app = request.app
+    if getattr(app.state, "aredis", None) is None:
+        s = call.state.settings
+        app.state.aredis = interactive.async_connect(s.redis_url, s.interactive_max_waiting)
+    return Waiter(app.state.aredis, call.batch_id, deltas)
+
+
+# ---- not streamed -----------------------------------------------------------------------------------
+async def _gone(request: Request) -> None:
+    """Returns once the client has gone away. Its own task: ``request.is_disconnected()`` never sees a
+    disconnect behind a BaseHTTPMiddleware (its receive wrapper always yields, so a non-blocking peek is
+    cancelled first), while a blocking receive returns ``http.disconnect`` when it comes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answer(request: Request, call: _Call) -> Any:
+    waiter = _waiter(request, call, deltas=False)
+    status = "500"
+    gone = asyncio.ensure_future(_gone(request))
+    try:
+        while True:
+            left = call.deadline - time.monotonic()
+            if left <= 0:
+                status = "504"
+                raise ApiError(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
+                               "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", code="timeout")
+            _, result = await waiter.read(min(BLOCK_S, left))
+            if result is not None:
+                call.answered = True
+                status, response = _response(call, result)
+                return response
+            if gone.done():
+                status = "499"  # the client closed the request: its job is cancelled in close()
+                return JSONResponse(error_body(400, "the client went away", code="client_closed"), status_code=499)
+    finally:
+        gone.cancel()
+        call.metrics(request).latency.labels(call.url, "false", status).observe(time.monotonic() - call.started)
+
+
+def _response(call: _Call, result: Result) -> tuple[str, JSONResponse]:
+    if result.status == "completed":
+        return "200", JSONResponse(completion_body(call.job, result))
+    status, code, message = _failure(result)
+    return str(status), JSONResponse(error_body(status, message, code=code), status_code=status)
+
+
+def _failure(result: Result) -> tuple[int, str, str]:
+    err = result.error
+    code = err.code if err else result.status
+    message = err.message if err else f"the request {result.status}"
+    if result.status == "failed" and code == "invalid_request":
+        return 400, code, message
+    return 500, code, message
+
+
+# ---- streamed ---------------------------------------------------------------------------------------
+@dataclass
+class _Stream:
+    """What a stream has sent: the run (worker, attempt) whose text it is, the text per sample."""
+
+    call: _Call
+    include_usage: bool
+    run: tuple[str, str] | None = None
+    sent: dict[int, str] = field(default_factory=dict)
+    first_token_at: float | None = None
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        job = self.call.job
+        chat = job.kind == "chat"
+        obj: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{self.call.batch_id}:0",
+                               "object": "chat.completion.chunk" if chat else "text_completion",
+                               "created": int(time.time()), "model": job.model or self.call.queue, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = usage
+        return _event(obj)
+
+    def text(self, index: int, text: str) -> str:
+        self.sent[index] = self.sent.get(index, "") + text
+        if self.call.job.kind == "chat":
+            return self.chunk([{"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
+        return self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def first(self) -> str:
+        """The opening chunk of a chat stream: the assistant's role."""
+        n = self.call.job.params.n
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(n)])
+
+    def deltas(self, ds: list[Delta]) -> list[str]:
+        """Chunks of the deltas of one run; raises _RunChanged when another run takes over once text was sent."""
+        out = []
+        for d in ds:
+            if self.run is None:
+                self.run = d.run
+            elif d.run != self.run:
+                raise _RunChanged(f"the worker running this request stopped after sending {len(self.sent)} "
+                                  "partial answers (its job is re-run elsewhere; a stream cannot restart)")
+            out.append(self.text(d.index, d.text))
+        return out
+
+    def finish(self, result: Result) -> list[str]:
+        """The rest of each sample's text (what the deltas did not carry), its finish reason, the usage."""
+        body = completion_body(self.call.job, result)
+        chat = self.call.job.kind == "chat"
+        out = []
+        for c in body["choices"]:
+            i = c["index"]
+            final = (c["message"]["content"] or "") if chat else c["text"]
+            sent = self.sent.get(i, "")
+            rest = final[len(sent):] if final.startswith(sent) else ""
+            if chat:
+                delta: dict[str, Any] = {"content": rest} if rest else {}
+                if c["message"].get("tool_calls"):
+                    delta["tool_calls"] = [{**t, "index": k} for k, t in enumerate(c["message"]["tool_calls"])]
+                out.append(self.chunk([{"index": i, "delta": delta, "logprobs": c["logprobs"],
+                                        "finish_reason": c["finish_reason"]}]))
+            else:
+                out.append(self.chunk([{"index": i, "text": rest, "logprobs": c["logprobs"],
+                                        "finish_reason": c["finish_reason"]}]))
+        if self.include_usage:
+            out.append(self.chunk([], body["usage"]))
+        return out
+
+
+class _RunChanged(Exception):
+    pass
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_event(status: int, message: str, code: str) -> str:
+    return _event(error_body(status, message, code=code))
+
+
+async def _sse(request: Request, call: _Call, include_usage: bool) -> AsyncIterator[str]:
+    s = _Stream(call, include_usage)
+    waiter = _waiter(request, call, deltas=True)
+    metrics = call.metrics(request)
+    status = "499"  # until something else is known: the client went away
+    try:
+        if call.job.kind == "chat":
+            yield s.first()
+        while True:
+            left = call.deadline - time.monotonic()
+            if left <= 0:
+                status = "504"
+                yield _error_event(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
+                                   "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", "timeout")
+                break
+            ds, result = await waiter.read(min(BLOCK_S, left))
+            try:
+                chunks = s.deltas(ds)
+            except _RunChanged as e:
+                status = "500"
+                yield _error_event(500, str(e), "worker_lost")
+                break
+            if chunks and s.first_token_at is None:
+                s.first_token_at = time.monotonic()
+                metrics.ttft.labels(call.url).observe(s.first_token_at - call.started)
+            for c in chunks:
+                yield c
+            if result is not None:
+                call.answered = True
+                if result.status != "completed":
+                    code_status, code, message = _failure(result)
+                    status = str(code_status)
+                    yield _error_event(code_status, message, code)
+                    break
+                status = "200"
+                if s.first_token_at is None:
+                    metrics.ttft.labels(call.url).observe(time.monotonic() - call.started)
+                for c in s.finish(result):
+                    yield c
+                yield "data: [DONE]\n\n"
+                break
+            if not ds and s.run is not None and not await waiter.worker_alive(s.run[0]):
+                status = "500"
+                yield _error_event(500, f"the worker running this request ({s.run[0]}) stopped mid-stream (crashed?); "
+                                   "the request was cancelled", "worker_lost")
+                break
+    finally:
+        metrics.latency.labels(call.url, "true", status).observe(time.monotonic() - call.started)
+        await call.close()
