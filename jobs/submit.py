@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -59,7 +60,7 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
     sub.endpoint = endpoint
-    try:
+    with _refused_when_full(sub):
         sub.create(completion_window, metadata, input_name, on_complete)
         refused = {e.line: e for e in line_errors}
         for line_no, text in enumerate(lines, 1):
@@ -73,6 +74,13 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
         sub.flush()
         sub.wait()
         return sub.finalize()
+
+
+@contextmanager
+def _refused_when_full(sub: _Submission) -> Iterator[None]:
+    """Redis at maxmemory: what was queued of the submission is taken back, and one clear error."""
+    try:
+        yield
     except redis.ResponseError as e:
         if not is_full(e):
             raise
@@ -290,15 +298,10 @@ def submit_job(r: redis.Redis, job: Job, queue: str, *, batch_id: str, priority:
         raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
     sub = _Submission(r, batch_id, queue, None, priority, CHUNK)
     sub.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
-    try:
+    with _refused_when_full(sub):
         sub.create(completion_window, metadata, None)
         sub._enqueue(job.model_copy(update={"id": f"{sub.bid}:0", "batch_id": sub.bid, "idx": 0, "priority": priority,
                                             "created_at": sub.now}))
         sub.flush()
         sub.wait()
         return sub.finalize()
-    except redis.ResponseError as e:
-        if not is_full(e):
-            raise
-        sub.abandon()
-        raise JobServerFull(f"the job server is full (Redis maxmemory reached); nothing was queued: {e}") from None
