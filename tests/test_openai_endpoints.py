@@ -304,6 +304,7 @@ def test_streamed_pieces_add_up_to_the_final_text(reference: Any) -> None:
     from engine.sampling_params import SamplingParams
     from jobs.consumer.commands import Delivery
     from jobs.schemas import Job
+    from jobs.schemas import SamplingParams as JobParams
     from worker.streaming import TextStreams
 
     rng = random.Random(fresh_seed())
@@ -318,7 +319,9 @@ def test_streamed_pieces_add_up_to_the_final_text(reference: Any) -> None:
         stop = [peeks[i].text[5:8]] if i % 2 and peeks[i].text[5:8] else []
         params = SamplingParams(max_tokens=rng.randint(4, 24), ignore_eos=True, stop=stop)
         reference.add_request(Request(f"s{i}", prompt=prompt, params=params))
-        job = Job(custom_id=f"s{i}", prompt=prompt, stream=True, batch_id="b", idx=i)
+        # The job carries the same stop strings as the engine's request (the worker builds one from the other).
+        job = Job(custom_id=f"s{i}", prompt=prompt, stream=True, batch_id="b", idx=i,
+                  params=JobParams(max_tokens=params.max_tokens, ignore_eos=True, stop=stop))
         streams.add(f"s{i}", Delivery(job, "stream", f"{i}-0", 1))
         sent[f"s{i}"] = ""
     while reference.has_unfinished():
