@@ -47,7 +47,8 @@ from jobs.store import (
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 25  # batches per page of the list
-ERROR_WINDOW = 1000  # the last results read for the error breakdown (never all of them)
+ERROR_WINDOW = 1000  # the last results read for the error breakdown (never all of them)...
+ERROR_WINDOW_MAX = 16_000  # ...reading further back, to this, while some of the batch's errors are not yet found
 SAMPLES_PER_CODE = 3  # sample lines shown per error code
 REFRESH_MS = 3000  # the page's polling interval
 LINK_TTL = 600  # seconds a signed download link works, at least
@@ -108,8 +109,7 @@ def batch_fragment(batch_id: str, request: Request, state: State, r: Redis) -> H
         return _html("missing.html", t0, status=404, what=f"No batch {batch_id!r}.")
     now = time.time()
     speed = rates(batch, recent_results(r, batch.id), now)  # what `sluice status` shows
-    c = batch.counts
-    window = recent_results(r, batch.id, ERROR_WINDOW) if c.done > c.completed else []
+    window = _error_window(r, batch)
     points = _samples(request).observe(batch, now)
     links = {k: download_url(batch.id, k, state.settings.api_key, now) for k in KINDS}
     return _html("batch.html", t0, b=batch_row(batch, now), batch=batch, speed=speed,
@@ -205,6 +205,20 @@ class ErrorGroup:
     outcome: str  # failed, cancelled, expired, or "bad input line"
     seen: int = 0
     samples: list[tuple[str, str]] = field(default_factory=list)  # (custom_id or "line N", message)
+
+
+def _error_window(r: redis.Redis, batch: Batch) -> list[Result]:
+    """The last results, enough of them to hold every failed, cancelled and expired one when they lie
+    within ERROR_WINDOW_MAX: early failures of a long batch would otherwise drop out of a fixed window
+    as later results land."""
+    c = batch.counts
+    wanted, n = c.done - c.completed, ERROR_WINDOW
+    while wanted > 0:
+        window = recent_results(r, batch.id, n)
+        if len(window) < n or n >= ERROR_WINDOW_MAX or sum(x.status != "completed" for x in window) >= wanted:
+            return window
+        n = min(4 * n, ERROR_WINDOW_MAX)
+    return []
 
 
 def error_groups(batch: Batch, window: list[Result]) -> list[ErrorGroup]:
