@@ -68,7 +68,7 @@ def _layer_shape(config: Any) -> list[Any]:
 def _attention_build() -> str:
     """The attention op's build name: a hash of its sources, flags and CPU (a faster kernel may tip the
     balance between the dtypes)."""
-    from kernels.cpu_attention import build_name
+    from kernels.cpu_ops import build_name
 
     try:
         return build_name()
