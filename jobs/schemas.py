@@ -320,7 +320,7 @@ class Batch(BaseModel):
             "usage": {"input_tokens": self.usage.prompt_tokens,
                       "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
                       "output_tokens": self.usage.completion_tokens,
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": self.usage.reasoning_tokens},
                       "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens},
         }
 

@@ -14,6 +14,7 @@ import redis
 from redis.commands.core import Script
 
 from jobs import keys
+from jobs.schemas import ErrorInfo, Result, ResultTimings
 
 
 class Scripts:
@@ -52,8 +53,8 @@ end
 """
 
 # KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead
-# ARGV: idx, status, result JSON, stream entry id to ack ('' for none), dead-letter JSON ('' for none),
-#       now, group
+# ARGV: idx, status, Result JSON (the usage decoded from it), stream entry id to ack ('' for none),
+#       DeadLetter JSON ('' for none), now, group
 # -> {1 if this write gave the job its outcome else 0, final batch status reached or ''}
 # A batch deleted meanwhile (a Celery generate drops its own once read) gets nothing written back,
 # so a write retried after a lost reply cannot leave stray keys.
@@ -67,7 +68,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[1]
   if ARGV[2] == 'completed' then  -- the batch's token usage, summed as results land
     local ok, res = pcall(cjson.decode, ARGV[3])
     if ok and type(res) == 'table' and type(res.usage) == 'table' then
-      for _, k in ipairs({'prompt_tokens', 'completion_tokens', 'cached_tokens'}) do
+      for _, k in ipairs({'prompt_tokens', 'completion_tokens', 'cached_tokens', 'reasoning_tokens'}) do
         redis.call('HINCRBY', KEYS[1], k, tonumber(res.usage[k]) or 0)
       end
     end
@@ -94,63 +95,75 @@ def record(s: Scripts, batch_id: str, idx: int, status: str, result_json: str, s
           keys.dead(batch_id)]
     return s.run(RECORD, ks, [idx, status, result_json, entry_id, dead_json, now, keys.GROUP], client)
 
-# An outcome built here, for a job without one (cancel, expiry): no worker holds its Result.
+# The outcome of a job that has none yet (cancel, expiry), as Python built it: no worker holds its Result.
 _OUTCOME = """
-local function bare_outcome(meta, done, results, jcids, idx, status, code, msg, now, bid)
+local function bare_outcome(meta, done, results, idx, status, result, now)
   if redis.call('HEXISTS', done, idx) == 1 then return 0 end
-  local cid = redis.call('HGET', jcids, idx) or ''
-  local r = cjson.encode({job_id = bid .. ':' .. idx, custom_id = cid, batch_id = bid, idx = tonumber(idx),
-    status = status, error = {code = code, message = msg}, timings = {finished = tonumber(now)}})
-  local rid = redis.call('XADD', results, '*', 'i', idx, 'r', r)
+  local rid = redis.call('XADD', results, '*', 'i', idx, 'r', result)
   redis.call('HSET', done, idx, rid)
   redis.call('HINCRBY', meta, status, 1)
   return 1
 end
 """
 
+
+def _bare_results(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str,
+                  now: float) -> list[str | int]:
+    """(idx, Result JSON) per job, flat. Its custom_id is read first: it never changes once queued."""
+    cids = s.r.hmget(keys.job_custom_ids(batch_id), idxs) if idxs else []
+    out: list[str | int] = []
+    for idx, cid in zip(idxs, cids, strict=True):
+        res = Result(job_id=f"{batch_id}:{idx}", custom_id=cid or "", batch_id=batch_id, idx=idx, status=status,
+                     error=ErrorInfo(code=code, message=message), timings=ResultTimings(finished=now))
+        out += [idx, res.model_dump_json(exclude_none=True)]
+    return out
+
+
 # Gives every listed job that has no outcome yet the outcome ARGV[1] (cancelled | expired).
-# KEYS: meta, done, results, job idx -> custom_id hash
-# ARGV: status, error code, error message, now, batch id, idx...
+# KEYS: meta, done, results
+# ARGV: status, now, (idx, Result JSON)...
 # -> {number of outcomes written, final batch status reached or ''}
 SWEEP = _FINISH + _OUTCOME + """
 local written = 0
-for i = 6, #ARGV do
-  written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[i], ARGV[1], ARGV[2], ARGV[3],
-                                   ARGV[4], ARGV[5])
+for i = 3, #ARGV, 2 do
+  written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], ARGV[i], ARGV[1], ARGV[i + 1], ARGV[2])
 end
-return {written, finish_if_done(KEYS[1], ARGV[4])}
+return {written, finish_if_done(KEYS[1], ARGV[2])}
 """
 
 
 def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,
           client: Any = None) -> tuple[int, str]:
     """Outcome ``status`` for each job of ``idxs`` that has none; (written, final status or '')."""
-    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id)]
-    written, fin = s.run(SWEEP, ks, [status, code, message, now, batch_id, *idxs], client)
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id)]
+    args = [status, now, *_bare_results(s, batch_id, idxs, status, code, message, now)]
+    written, fin = s.run(SWEEP, ks, args, client)
     return int(written), fin or ""
 
 # Expires jobs whose deadline passed before any worker started them. A worker starting a job takes
-# it out of ``deadlines`` first (ZREM), so a job is either started or expired, never both.
-# KEYS: meta, done, results, job idx -> custom_id hash, deadlines
-# ARGV: now, batch id, at most this many -> {number expired, final batch status or '', number due}
+# it out of ``deadlines`` first (ZREM), so a job is either started or expired, never both: a job
+# listed here is expired only if this ZREM is the one that takes it out.
+# KEYS: meta, done, results, deadlines
+# ARGV: now, (idx, Result JSON)... -> {number expired, final batch status or ''}
 EXPIRE_DUE = _FINISH + _OUTCOME + """
-local due = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 local written = 0
-for _, idx in ipairs(due) do
-  redis.call('ZREM', KEYS[5], idx)
-  written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], KEYS[4], idx, 'expired', 'deadline_exceeded',
-                                   'the deadline passed before the job started', ARGV[1], ARGV[2])
+for i = 2, #ARGV, 2 do
+  if redis.call('ZREM', KEYS[4], ARGV[i]) == 1 then
+    written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], ARGV[i], 'expired', ARGV[i + 1], ARGV[1])
+  end
 end
-return {written, finish_if_done(KEYS[1], ARGV[1]), #due}
+return {written, finish_if_done(KEYS[1], ARGV[1])}
 """
 
 
 def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, str, int]:
     """Expire up to ``limit`` jobs of the batch whose deadline passed; (expired, final status or '', due)."""
-    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.job_custom_ids(batch_id),
-          keys.deadlines(batch_id)]
-    written, fin, due = s.run(EXPIRE_DUE, ks, [now, batch_id, limit])
-    return int(written), fin or "", int(due)
+    due = [int(i) for i in s.r.zrangebyscore(keys.deadlines(batch_id), "-inf", now, start=0, num=limit)]
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.deadlines(batch_id)]
+    results = _bare_results(s, batch_id, due, "expired", "deadline_exceeded",
+                            "the deadline passed before the job started", now)
+    written, fin = s.run(EXPIRE_DUE, ks, [now, *results])
+    return int(written), fin or "", len(due)
 
 # Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
 # A worker whose heartbeat lapsed may have lost its jobs to another; it must not touch them then.

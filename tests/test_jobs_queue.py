@@ -146,7 +146,7 @@ def test_submission_rate(r: redis.Redis) -> None:
 
 
 # ---- outcomes, results and cancel ------------------------------------------------------------------
-def _complete(r: redis.Redis, batch_id: str, idx: int, text: str) -> tuple[int, str]:
+def _complete(r: redis.Redis, batch_id: str, idx: int, text: str, usage: dict[str, int] | None = None) -> tuple[int, str]:
     """Write a completed outcome as a worker would (deliver + record), without a model."""
     stream = keys.jobs(batch_id, 0)
     got = r.xreadgroup(keys.GROUP, "test", {stream: ">"}, count=1)
@@ -154,7 +154,7 @@ def _complete(r: redis.Redis, batch_id: str, idx: int, text: str) -> tuple[int, 
     job = json.loads(fields["j"])
     assert job["idx"] == idx
     res = {"job_id": job["id"], "custom_id": job["custom_id"], "batch_id": batch_id, "idx": idx, "text": text,
-           "finish_reason": "stop"}
+           "finish_reason": "stop", "usage": usage or {}}
     fresh, fin = record(Scripts(r), batch_id, idx, "completed", json.dumps(res), stream, eid, "", time.time())
     return fresh, fin
 
@@ -172,6 +172,23 @@ def test_record_is_idempotent_and_finishes_the_batch(r: redis.Redis) -> None:
     assert_exactly_once(r, b.id, 3)
     assert get_result(r, b.id, "job-1").text == "t1"
     assert r.xlen(keys.jobs(b.id, 0)) == 0  # acknowledged entries are deleted
+
+
+def test_batch_usage_sums_every_counter_of_its_results(r: redis.Redis) -> None:
+    """The batch's usage, reasoning tokens included, is the sum over its completed results' usage."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    b = submit(prompt_lines(n, rng), r=r)
+    fields = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
+    usages = [{k: rng.randint(0, 500) for k in fields} for _ in range(n)]
+    for i, u in enumerate(usages):
+        _complete(r, b.id, i, f"t{i}", u)
+    got = get_batch(r, b.id).to_openai()["usage"]
+    want = {k: sum(u[k] for u in usages) for k in fields}
+    assert got["input_tokens"] == want["prompt_tokens"] and got["output_tokens"] == want["completion_tokens"], seed
+    assert got["input_tokens_details"]["cached_tokens"] == want["cached_tokens"], seed
+    assert got["output_tokens_details"]["reasoning_tokens"] == want["reasoning_tokens"], seed
 
 
 def test_results_cursor_and_output_lines(r: redis.Redis) -> None:
