@@ -1,43 +1,29 @@
 """The dashboard (api/dashboard.py): pages without data, fragments behind the API key, signed download
-links, the rate-sample ring, 10,000 batches paged; and in a real browser, headless Chromium driven over
-the DevTools protocol against ``sluice up`` with a batch in progress: login, a wrong key, the rendered
-progress, counts and error rows, a key that never reaches a URL, and the screenshot in docs/.
-
-``SLUICE_DASHBOARD_SCREENSHOT=docs/dashboard.png pytest tests/test_dashboard.py -k browser`` rewrites
-the README's screenshot."""
+links, the rate-sample ring, 10,000 batches paged. In a real browser: tests/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
-import os
 import random
 import re
 import secrets
-import select
-import shutil
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from cli_api_helpers import run_sluice, simple_lines, sluice_home, start_sluice, stop, wait_for_url
+from cli_api_helpers import simple_lines, sluice_home
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
-from jobs_helpers import wait_for
 
 from api.app import create_app
 from api.dashboard import HEADERS, PAGE_SIZE, download_url
 from api.rate_samples import MIN_GAP, SIZE, RateSamples
 from api.settings import Settings
-from cli.common import EXIT_SOME_FAILED
-from jobs.connection import stop_server
 from jobs.schemas import Batch, BatchCounts, BatchStatus, ResultUsage
 from jobs.store import cancel_batch, count_batches, get_batch
 from jobs.submit import submit
@@ -235,223 +221,6 @@ def test_ten_thousand_batches_page_by_page(api: Api, capsys: pytest.CaptureFixtu
     with capsys.disabled():
         print(f"\n10,000 batches: a page of {PAGE_SIZE} takes {statistics.median(ms):.1f} ms server time "
               f"(median of {len(ms)}, max {max(ms):.1f}); the page shell {shell_ms:.1f} ms in-process")
-
-
-# ---- in a real browser ------------------------------------------------------------------------------
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--remote-debugging-pipe"]
-
-
-class Browser:
-    """Headless Chromium over the DevTools protocol on a pipe (``--remote-debugging-pipe``: JSON messages
-    ending in NUL, to it on fd 3 and from it on fd 4), so no websocket client or driver is needed."""
-
-    def __init__(self, profile: Path) -> None:
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
-
-        def fds() -> None:  # in the child: its ends as fds 3 and 4, kept across exec
-            a, b = os.dup(to_r), os.dup(from_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        self.proc = subprocess.Popen([str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                     preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        os.close(to_r)
-        os.close(from_w)
-        self.w, self.r = to_w, from_r
-        self.buf = b""
-        self.n = 0
-        self.events: list[dict[str, Any]] = []
-        self.session: str | None = None
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Network", "Runtime"):
-            self.call(f"{domain}.enable")
-
-    def call(self, method: str, timeout: float = 60, **params: Any) -> dict[str, Any]:
-        self.n += 1
-        msg: dict[str, Any] = {"id": self.n, "method": method, "params": params}
-        if self.session and not method.startswith(("Target.", "Browser.")):
-            msg["sessionId"] = self.session
-        os.write(self.w, json.dumps(msg).encode() + b"\0")
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\0" not in self.buf:
-                ready, _, _ = select.select([self.r], [], [], max(0.0, deadline - time.monotonic()))
-                chunk = os.read(self.r, 1 << 20) if ready else b""
-                if not chunk:
-                    raise AssertionError(f"chromium did not answer {method}")
-                self.buf += chunk
-            raw, self.buf = self.buf.split(b"\0", 1)
-            got = json.loads(raw)
-            if got.get("id") == self.n:
-                if "error" in got:
-                    raise AssertionError(f"{method}: {got['error']}")
-                return got["result"]
-            self.events.append(got)
-
-    def js(self, expression: str) -> Any:
-        got = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in got:
-            raise AssertionError(f"{expression}: {got['exceptionDetails']}")
-        return got["result"].get("value")
-
-    def until(self, expression: str, what: str, timeout: float = 60) -> Any:
-        return wait_for(lambda: self.js(expression), timeout, what, every=0.2)
-
-    def open(self, url: str) -> None:
-        self.call("Page.navigate", url=url)
-        self.until("document.readyState === 'complete' && !!document.body.dataset.view", f"{url} to load")
-
-    def type_key(self, key: str) -> None:
-        self.js("document.getElementById('key').focus()")
-        self.call("Input.insertText", text=key)
-        self.js("document.querySelector('#login-form button[type=submit]').click()")
-
-    def urls(self) -> list[str]:
-        return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
-
-    def close(self) -> None:
-        try:
-            self.call("Browser.close", timeout=10)
-        except (AssertionError, OSError):
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self.w)
-        os.close(self.r)
-
-
-@dataclass
-class Up:
-    url: str
-    env: dict[str, str]
-
-
-@pytest.fixture(scope="module")
-def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    if CHROMIUM is None:
-        pytest.skip("no chromium to test the dashboard in a browser (Debian: apt-get install chromium)")
-    home = tmp_path_factory.mktemp("dash-up") / "home"
-    env = {k: v for k, v in os.environ.items() if k != "SLUICE_REDIS_URL"}
-    env.update(SLUICE_HOME=str(home), SLUICE_API_KEY=KEY)
-    log = home.parent / "up.log"
-    proc = start_sluice("up", "--model", str(tiny_model_dir), "--dtype", "float32", "--kv-cache-memory", "8MiB",
-                        "--max-num-seqs", "8", "--queue", "tiny", "--port", "0", "--grace-period", "5", log=log,
-                        env=env)
-    try:
-        yield Up(wait_for_url(proc, log, timeout=600), env)  # the first start may build the C++ op
-    finally:
-        stop(proc)
-        stop_server(home, kill=True)  # in case a failed test left it
-
-
-def _status(up: Up, batch_id: str) -> dict[str, Any]:
-    res = run_sluice("status", batch_id, "--json", env=up.env)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
-
-
-def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
-    seed = fresh_seed()
-    rng = random.Random(seed)
-    n_bad, n_refused = rng.randint(1, 3), rng.randint(1, 3)
-    lines = [json.dumps({"custom_id": f"refused-{i}", "prompt": "x", "max_tokens": 4,
-                         "stop_token_ids": [10**9]}) for i in range(n_refused)]  # the worker refuses these
-    lines += simple_lines(rng, 3000, max_tokens=48, ignore_eos=True)  # minutes of work for the tiny model
-    for _ in range(n_bad):
-        lines.insert(rng.randrange(n_refused, len(lines) + 1), "{not json")
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    res = run_sluice("submit", str(src), "--json", env=up.env)
-    assert res.returncode == EXIT_SOME_FAILED and f"{n_bad} bad lines" in res.stderr, res.stderr  # queued all the same
-    bid = json.loads(res.stdout)["id"]
-    total = 3000 + n_refused
-    wait_for(lambda: _status(up, bid)["request_counts"]["failed"] >= n_refused, 120, "the refused lines to fail")
-
-    browser = Browser(tmp_path / "profile")
-    try:
-        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=1000, deviceScaleFactor=1, mobile=False)
-        browser.open(f"{up.url}/")
-        # Without the key: the login and nothing else.
-        browser.until("!document.getElementById('login').hidden", "the login")
-        assert browser.js("document.getElementById('app').hidden") is True
-        assert bid not in browser.js("document.body.innerText")
-        # A wrong key: an error, still only the login.
-        browser.type_key("sk-wrong")
-        error = browser.until("document.getElementById('login-error').textContent", "the wrong key's error")
-        assert "refused" in error and browser.js("document.getElementById('app').hidden") is True
-        assert browser.js("sessionStorage.length") == 0
-        # The key: the batches and the workers.
-        browser.type_key(KEY)
-        browser.until(f"!!document.querySelector('#batches tr[data-batch=\"{bid}\"]')", "the batch in the list")
-        assert browser.js("sessionStorage.getItem('sluice-api-key')") == KEY
-        assert browser.js("document.querySelectorAll('#workers tr[data-worker]').length") == 1
-        queue = browser.js("document.querySelector('#workers tr[data-worker] td').textContent.trim()")
-        assert queue == _status(up, bid)["model"] == "tiny"
-        queued = browser.js("document.querySelector('#workers tr[data-queue=tiny] [data-queued]').textContent")
-        assert 0 < int(queued.replace(",", "")) < total
-
-        # A refresh keeps keyboard focus where it was.
-        browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').focus()")
-        stamp = browser.js("document.getElementById('updated').textContent")
-        browser.until(f"document.getElementById('updated').textContent !== {json.dumps(stamp)}", "a refresh")
-        assert browser.js("document.activeElement.getAttribute('href')") == f"/batches/{bid}"
-
-        before = _status(up, bid)["request_counts"]
-        browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').click()")
-        browser.until("!!document.getElementById('progress')", "the batch page (its key from sessionStorage)")
-        # The chart needs two samples, MIN_GAP apart: a few refreshes of the page (more for the README's).
-        steps = 16 if os.environ.get("SLUICE_DASHBOARD_SCREENSHOT") else 2
-        browser.until(f"(document.querySelector('#batch polyline') || {{}}).getAttribute?.('points')?.split(' ')"
-                      f".length >= {2 * steps}", "the throughput chart", timeout=30 + 3 * MIN_GAP * steps)
-        dom = browser.js("""(() => {
-            const p = document.getElementById('progress');
-            const count = (k) => Number(document.querySelector(`[data-count=${k}]`).textContent.replace(/,/g, ''));
-            return {value: Number(p.getAttribute('value')), max: Number(p.getAttribute('max')),
-                    status: document.getElementById('batch-status').textContent,
-                    completed: count('completed'), failed: count('failed'), invalid: count('invalid'),
-                    codes: Array.from(document.querySelectorAll('tr.error-row')).map(r => r.dataset.code),
-                    samples: document.querySelector('tr.error-row[data-code=invalid_request] .samples').textContent,
-                    rate: document.querySelector('[data-rate=tokens]').textContent,
-                    href: location.href};
-        })()""")
-        after = _status(up, bid)["request_counts"]
-        assert dom["max"] == total and dom["status"] == "in_progress", (dom, seed)
-        assert before["completed"] <= dom["completed"] <= after["completed"] < total, (dom, seed)
-        assert dom["value"] == dom["completed"] + dom["failed"] and dom["failed"] == n_refused, (dom, seed)
-        assert dom["invalid"] == n_bad and set(dom["codes"]) == {"invalid_json", "invalid_request"}, (dom, seed)
-        assert "refused-" in dom["samples"] and float(dom["rate"]) > 0, (dom, seed)
-        assert dom["href"] == f"{up.url}/batches/{bid}"
-
-        shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"])
-        assert shot.startswith(b"\x89PNG\r\n\x1a\n") and len(shot) > 20_000
-        (tmp_path / "dashboard.png").write_bytes(shot)
-        if target := os.environ.get("SLUICE_DASHBOARD_SCREENSHOT"):
-            Path(target).write_bytes(shot)
-
-        # The key went in headers only: no URL the browser asked for holds it.
-        urls = browser.urls()
-        assert any("/dashboard/batches/" in u for u in urls) and not [u for u in urls if KEY in u]
-        link = browser.js("document.querySelector('a[href*=\"/output.jsonl\"]').href")
-        assert KEY not in link
-        got = httpx.get(link, timeout=60)  # a signed link, no key
-        assert got.status_code == 200 and all(json.loads(x)["response"]["status_code"] == 200
-                                              for x in got.text.splitlines()), seed
-
-        browser.js("document.getElementById('logout').click()")
-        browser.until("!document.getElementById('login').hidden", "the login after logging out")
-        assert browser.js("sessionStorage.length") == 0 and bid not in browser.js("document.body.innerText")
-    finally:
-        browser.close()
-        run_sluice("cancel", bid, env=up.env)
 
 
 def test_without_a_server_key_no_login_and_plain_links(tmp_path: Path) -> None:
