@@ -1,0 +1,1 @@
+"""bench/gpu_check.py's checks, one section group a module."""
