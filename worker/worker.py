@@ -15,15 +15,14 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.embedding_engine import EmbeddingOutput
 from engine.outputs import Completion
 from engine.protocol import Engine
-from jobs.consumer.commands import Delivery
 from jobs.consumer.session import ConsumerSession
-from jobs.schemas import Job
+from worker.drain import Draining
+from worker.held import Held
 from worker.isolation import EngineSick, Isolation
 from worker.kinds import engine_request, engine_result, probe_request, serves
 from worker.metrics import WorkerMetrics
@@ -33,32 +32,11 @@ from worker.streaming import TextStreams
 
 log = logging.getLogger(__name__)
 
-FLUSH_AFTER_GRACE = 10.0  # seconds a stopping worker keeps trying to write held results
-
-
-@dataclass
-class Held:
-    """A job this worker holds (its stream entry is pending under our name until its outcome is written)."""
-
-    d: Delivery
-    pulled_at: float
-    rid: str | None = None  # the engine request id while it is in the engine
-
-    @property
-    def job(self) -> Job:
-        return self.d.job
-
-
 def default_worker_id(llm: Engine) -> str:
     return f"{socket.gethostname()}/{str(llm.device).replace(':', '')}"
 
 
-@dataclass
-class _Timers:
-    busy: float = field(default_factory=time.monotonic)
-
-
-class Worker:
+class Worker(Draining):
     def __init__(self, llm: Engine, opts: WorkerOptions, stop_event: threading.Event | None = None,
                  llm_factory: EngineFactory | None = None) -> None:
         self.llm = llm
@@ -80,7 +58,7 @@ class Worker:
         self.iso: Isolation[Held] = Isolation()
         self.to_release: list[Held] = []  # aborted at shutdown, not yet handed back to the queue
         self.rids = itertools.count()
-        self.t = _Timers()
+        self.busy_since = time.monotonic()  # last time it held anything (idle exit)
         self.drain_deadline = 0.0
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
@@ -136,7 +114,7 @@ class Worker:
         self._write_errors = s.stats.write_errors
         self.report.max_held = max(self.report.max_held, len(self.held) + s.pending_writes)
         if self.held or s.pending_writes:
-            self.t.busy = time.monotonic()
+            self.busy_since = time.monotonic()
 
     # ---- taking jobs -----------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -302,52 +280,6 @@ class Worker:
                 self.session.settle_cancelled(h.d, ev)
             if hit:
                 log.info("aborted %d jobs of %s (%s)", len(hit), ev.batch_id, ev.status)
-
-    # ---- stopping --------------------------------------------------------------------------------
-    def _finished(self) -> bool:
-        now = time.monotonic()
-        idle_for = self.o.exit_when_idle
-        if not self.draining and (self.stop_event.is_set() or (idle_for is not None and now - self.t.busy > idle_for)):
-            self._begin_drain(now)
-        if not self.draining:
-            return False
-        if self.held and now < self.drain_deadline:
-            return False
-        if self.held:
-            self._release_all()
-        # Retried each tick: Redis may be down, or backing off after a slow reply.
-        if self.to_release and self.session.hand_back([h.d for h in self.to_release]):
-            self.to_release = []
-        pending = self.session.pending_writes or self.to_release
-        return not pending or now > self.drain_deadline + FLUSH_AFTER_GRACE
-
-    def _begin_drain(self, now: float) -> None:
-        self.draining = self.session.draining = True
-        self.drain_deadline = now + self.o.grace_period
-        log.info("worker %s draining: %d jobs in flight, %.0fs grace", self.id, len(self.held), self.o.grace_period)
-
-    def _release_all(self) -> None:
-        """Hand unfinished jobs back to the queue for other workers (not counted as attempts)."""
-        left = list(self.held.values())
-        for h in left:
-            if not self.report.sick:
-                self._abort(h)
-            self._forget(h)
-        self.iso.clear()
-        self.to_release += left
-        log.info("releasing %d unfinished jobs", len(left))
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self.stop_event.is_set():
-                self.drain_deadline = 0.0  # a second signal: stop now
-            self.stop_event.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old_signals[sig] = signal.signal(sig, handler)
 
     def _close(self) -> None:
         self.session.close()

@@ -1,0 +1,21 @@
+"""A job the worker holds, from its delivery until its outcome is handed to the session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobs.consumer.commands import Delivery
+from jobs.schemas import Job
+
+
+@dataclass
+class Held:
+    """A job this worker holds (its stream entry is pending under our name until its outcome is written)."""
+
+    d: Delivery
+    pulled_at: float
+    rid: str | None = None  # the engine request id while it is in the engine
+
+    @property
+    def job(self) -> Job:
+        return self.d.job
