@@ -3,7 +3,6 @@ what arrived before its next step, so a cancelled job's sequences stop within a 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 
@@ -12,28 +11,21 @@ from redis.retry import Retry
 
 from jobs.connection import connect
 from jobs.consumer import commands as consumer
+from jobs.consumer.background import Background
 from jobs.consumer.commands import CancelEvent
 from jobs.consumer.link import Link
 
 BLOCK_MS = 250  # one blocking read; also how long it takes to notice a stop
 
 
-class CancelFeed:
+class CancelFeed(Background):
     def __init__(self, link: Link, queue: str, redis_down: tuple[type[BaseException], ...]) -> None:
+        super().__init__("sluice-cancels")
         self.link = link
         self.queue = queue
         self.redis_down = redis_down
         self.cursor = consumer.cancel_cursor(link.r, queue)  # only events from now on
         self.events: deque[CancelEvent] = deque()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sluice-cancels", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float) -> None:
-        self._stop.set()
-        self._thread.join(timeout=timeout)
 
     def take(self) -> list[CancelEvent]:
         out = []

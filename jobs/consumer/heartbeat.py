@@ -10,14 +10,16 @@ import time
 from collections.abc import Callable
 
 from jobs.consumer import commands as consumer
+from jobs.consumer.background import Background
 from jobs.consumer.link import Link
 
 log = logging.getLogger(__name__)
 
 
-class Heartbeat:
+class Heartbeat(Background):
     def __init__(self, link: Link, worker_id: str, payload: Callable[[], str], ttl: float, stall_after: float,
                  redis_down: tuple[type[BaseException], ...]) -> None:
+        super().__init__("sluice-heartbeat")
         self.link = link
         self.worker_id = worker_id
         self.payload = payload
@@ -27,20 +29,11 @@ class Heartbeat:
         self.redis_down = redis_down
         self.lapsed = threading.Event()  # set when we found our heartbeat gone: our jobs may be taken
         self.last_tick = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sluice-heartbeat", daemon=True)
         self._stalled = False
-
-    def start(self) -> None:
-        self._thread.start()
 
     def tick(self) -> None:
         """The step loop is alive."""
         self.last_tick = time.monotonic()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
 
     def beat_now(self) -> None:
         if not consumer.beat(self.link.r, self.worker_id, self.payload(), self.ttl_ms):

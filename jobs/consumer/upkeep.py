@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from jobs.consumer.background import Background
 from jobs.consumer.link import Link
 from jobs.housekeeping import housekeep_if_due
 from jobs.spill import Spill
@@ -30,9 +31,10 @@ SPILL_EVERY = 1.0  # seconds between looks at batches still owed a spill (a full
 Guard = Callable[..., Any]  # the session's Redis-down guard: guard(fn, *args) -> fn's value or None
 
 
-class Upkeep:
+class Upkeep(Background):
     def __init__(self, link: Link, queue: str, owner: str, guard: Guard, draining: Callable[[], bool],
                  housekeeping_interval: float, results_ttl: float, spill: Spill | None = None) -> None:
+        super().__init__("sluice-upkeep")
         self.link, self.queue, self.owner, self.guard, self.draining = link, queue, owner, guard, draining
         self.housekeeping_interval, self.results_ttl = housekeeping_interval, results_ttl
         # Results move to files once a batch holds too many in Redis (SLUICE_RESULTS_SPILL).
@@ -40,19 +42,6 @@ class Upkeep:
         self.queue_depth: int | None = None
         self._written: set[str] = set()  # batches written since the last spill pass
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="sluice-upkeep", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float) -> None:
-        """Stop after the pass under way; a pass stuck on a dead disk is left behind (a daemon thread)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
 
     def wrote(self, batch_ids: Iterable[str]) -> None:
         """Called by the writer thread: these batches got new results (they may be due a spill)."""
@@ -62,7 +51,7 @@ class Upkeep:
             self._written.update(batch_ids)
         self._wake.set()
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         housekeeping_at = depth_at = spill_at = 0.0
         while not self._stop.is_set():
             self._wake.wait(SPILL_EVERY)
