@@ -101,3 +101,29 @@ def worker_process(model_dir: Path, worker_id: str, *args: str, log: Path | None
            "--worker-id", worker_id, "--heartbeat-ttl", "2", *args]
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+
+
+def kill_9_mid_batch(r: redis.Redis, batch_id: str, total: int, fracs: tuple[float, ...],
+                     start: Callable[[], subprocess.Popen], log: Path, worker_id: str, timeout: float) -> None:
+    """A worker from ``start()`` killed (-9) once each fraction of the batch is done, each time holding jobs."""
+    for frac in fracs:
+        p = start()
+        try:
+            wait_for(lambda p=p, frac=frac: r.hlen(keys.done(batch_id)) >= frac * total or p.poll() is not None,
+                     timeout, f"{frac:.0%} done")
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert held_by(r, batch_id, worker_id) > 0  # it dies holding jobs
+        finally:
+            p.kill()
+            p.wait()
+
+
+def finish_with(r: redis.Redis, batch_id: str, p: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Worker ``p`` (started with --exit-when-idle) finishes the batch, then exits cleanly."""
+    from jobs.store import get_batch
+
+    try:
+        wait_for(lambda: get_batch(r, batch_id).is_final, timeout, "the batch to finish")
+        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        p.kill()
