@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.embedding_model import EmbeddingModel, load_embedding_model
+from engine.intake import Intake
 from engine.outputs import Timings
 from engine.pooling import finish_vector
 from engine.pooling_runner import Item, LengthPool, run_batch
@@ -89,12 +90,13 @@ class _RequestState:
         self.left = len(self.items)
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
     """``EmbeddingEngine(model, **config)``: see ``EmbeddingConfig`` for the settings."""
 
     serves = "embedding"  # engine.llm.LLM serves generation (a worker's heartbeat says which)
 
     def __init__(self, model: str, **config: Any) -> None:
+        super().__init__()
         self.config = EmbeddingConfig(**config)
         self.model: EmbeddingModel = load_embedding_model(model, _DTYPES[self.config.dtype], self.config.device,
                                                           self.config.pooling, self.config.matryoshka,
@@ -106,8 +108,6 @@ class EmbeddingEngine:
         self.max_model_len = min(self.model.max_len, self.config.max_model_len or self.model.max_len)
         self.dimension = self.model.pooling.dimension
         self.pool = LengthPool()
-        self.requests: dict[str, _RequestState] = {}
-        self._rejected: list[EmbeddingOutput] = []
         self._seqs = itertools.count()
         self.num_steps = 0
         self.num_padded_tokens = 0  # batch * longest, summed over steps
@@ -154,13 +154,12 @@ class EmbeddingEngine:
     def add_request(self, request: EmbeddingRequest) -> None:
         arrival = time.time()
         try:
-            if request.request_id in self.requests:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._check_new(request.request_id)
             self._check_dimensions(request.dimensions)
             truncate = self.config.truncate if request.truncate is None else request.truncate
             ids, cut = self._tokenize(request.input, truncate)
         except ValueError as e:
-            self._rejected.append(_error_output(request.request_id, str(e), arrival))
+            self._reject(_error_output(request.request_id, str(e), arrival))
             return
         items = [Item(next(self._seqs), request.request_id, i, t) for i, t in enumerate(ids)]
         self.requests[request.request_id] = _RequestState(request, items, [None] * len(items), cut, arrival)
@@ -178,12 +177,9 @@ class EmbeddingEngine:
         return EmbeddingOutput(request_id, [], _num_tokens(state), state.num_truncated,
                                Timings(state.arrival, None, time.time()), "abort")
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._rejected)
-
     def step(self) -> list[EmbeddingOutput]:
         """One forward pass over a batch of waiting inputs; returns the requests it finished."""
-        done, self._rejected = self._rejected, []
+        done = self._take_rejected()
         batch = self.pool.take_batch(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if not batch:
             return done

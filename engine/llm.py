@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -16,6 +17,7 @@ from engine.chat_template import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GuidedDecoding
+from engine.intake import Intake
 from engine.linear import use_cpu_linear
 from engine.loader import (
     ModelSource,
@@ -44,10 +46,11 @@ class _RequestState:
     arrival_time: float
 
 
-class LLM:
+class LLM(Intake[_RequestState, Completion]):
     """``LLM(model=None, **config)``: see ``EngineConfig`` for the settings."""
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
+        super().__init__()
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
@@ -78,8 +81,6 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
-        self.requests: dict[str, _RequestState] = {}
-        self._rejected: list[Completion] = []
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.max_running_seen = 0
@@ -127,7 +128,7 @@ class LLM:
             self._check_fits(request, prompt_ids)
             grammar = self.guided.compile(request.params)
         except ValueError as e:
-            self._rejected.append(_error_completion(request, str(e), arrival))
+            self._reject(_error_completion(request, str(e), arrival))
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
         self.guided.attach(seqs, grammar)
@@ -146,9 +147,6 @@ class LLM:
                 self.scheduler.finish(seq, "abort")
         return self._completion(state)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._rejected)
-
     def tokens_so_far(self, request_id: str) -> tuple[int, list[list[int]]] | None:
         """(prompt length, each sample's token ids so far, prompt first) of a request in flight, for a
         caller that streams text (None: not in flight). The lists are the engine's: read, never change."""
@@ -157,7 +155,7 @@ class LLM:
 
     def step(self) -> list[Completion]:
         """Run one iteration; return the requests that finished in it."""
-        done, self._rejected = self._rejected, []
+        done = self._take_rejected()
         batch = self.scheduler.schedule()
         if not len(batch):
             return done
@@ -175,15 +173,16 @@ class LLM:
                 done.append(self._completion(self.requests.pop(rid)))
         return done
 
-    def generate(self, requests: Iterable[Request], progress: bool = False,
-                 on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
-        """Run requests to completion; results in input order. ``on_finish`` sees each as it finishes."""
+    def generate(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None,
+                 on_step: Callable[[list[Completion], Callable[[], int]], None] | None = None) -> list[Completion]:
+        """Run requests to completion; results in input order. ``on_finish`` sees each as it finishes;
+        ``on_step`` (a progress bar: worker/progress.py) each step's finished ones, with a count of the
+        tokens sampled so far (summed over the requests in flight, so only when asked)."""
         order = []
         for r in requests:
             self.add_request(r)
             order.append(r.request_id)
         results: dict[str, Completion] = {}
-        bar = _progress_bar(len(order)) if progress else None
         finished_tokens = 0
         while self.has_unfinished():
             done = self.step()
@@ -192,22 +191,17 @@ class LLM:
                 finished_tokens += c.usage.completion_tokens
                 if on_finish is not None:
                     on_finish(c)
-            if bar is not None:
-                bar.advance(len(done))
-                if bar.due():
-                    bar.show_rate(finished_tokens + self._tokens_in_flight())
-        if bar is not None:
-            bar.show_rate(finished_tokens)
-            bar.close()
+            if on_step is not None:
+                on_step(done, functools.partial(self._tokens_sampled, finished_tokens))
         return [results[rid] for rid in order]
 
     # ---- internals ------------------------------------------------------------------------------
-    def _tokens_in_flight(self) -> int:
-        return sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
+    def _tokens_sampled(self, finished: int) -> int:
+        """``finished`` (finished requests' tokens) plus those of the requests in flight."""
+        return finished + sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
 
     def _prompt_ids(self, request: Request) -> list[int]:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self._check_new(request.request_id)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
@@ -330,34 +324,3 @@ def _generation_eos(src: ModelSource) -> Any:
         return GenerationConfig.from_pretrained(dense_path(src)).eos_token_id
     except (OSError, ValueError):
         return None
-
-
-class _Progress:
-    """generate's bar: requests done, and tokens/s over every token sampled so far. Counting only
-    finished requests' tokens would read near zero for most of a big batch, whose requests all finish
-    late. The in-flight count sums over the requests in flight, so it is taken every ``interval`` s."""
-
-    def __init__(self, total: int, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="req", desc="generate", **tqdm_kwargs)
-        self.interval = interval
-        self.start = self.shown = time.monotonic()
-
-    def advance(self, finished: int) -> None:
-        if finished:
-            self.bar.update(finished)
-
-    def due(self) -> bool:
-        return time.monotonic() - self.shown >= self.interval
-
-    def show_rate(self, tokens: int) -> None:
-        self.shown = time.monotonic()
-        self.bar.set_postfix_str(f"{tokens / max(self.shown - self.start, 1e-9):.0f} tok/s")
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _progress_bar(total: int) -> _Progress:
-    return _Progress(total)

@@ -1,4 +1,4 @@
-"""LLM.generate's progress bar counts tokens as they are sampled, not only when a request finishes."""
+"""sluice generate's progress bar (worker/progress.py) counts tokens as they are sampled, not only when a request finishes."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-import engine.llm as llm_module
+import worker.progress as progress_module
 from engine.llm import LLM
 from engine.outputs import Request
 from engine.sampling_params import SamplingParams
 
 
-class RecordingProgress(llm_module._Progress):
+class RecordingProgress(progress_module.Progress):
     """The real bar (written to a buffer), redrawn every step, noting what each redraw was given."""
 
     def __init__(self, total: int) -> None:
@@ -28,12 +28,12 @@ class RecordingProgress(llm_module._Progress):
 
 def test_progress_counts_tokens_each_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bars: list[RecordingProgress] = []
-    monkeypatch.setattr(llm_module, "_progress_bar", lambda total: bars.append(RecordingProgress(total)) or bars[-1])
+    monkeypatch.setattr(progress_module, "progress_bar", lambda total: bars.append(RecordingProgress(total)) or bars[-1])
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=16 << 20)
     lengths = [4, 8, 12]
     reqs = [Request(f"r{i}", prompt_token_ids=[100 + i, 200, 300], params=SamplingParams(max_tokens=n, ignore_eos=True))
             for i, n in enumerate(lengths)]
-    out = llm.generate(reqs, progress=True)
+    out = progress_module.generate(llm, reqs, progress=True)
     assert [c.usage.completion_tokens for c in out] == lengths
     # All three prompts are prefilled in the first step, so after step k every request has sampled
     # min(k, its max_tokens) tokens; the bar must show that count, long before the first request ends.

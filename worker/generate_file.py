@@ -23,6 +23,7 @@ from jobs.lines import LineError, parse_line
 from jobs.openai_output import result_to_output_line
 from jobs.schemas import ErrorInfo, Job, Result, SamplingParams
 from worker.kinds import EMBEDDING, engine_request, engine_result, serves
+from worker.progress import generate
 from worker.run import embedding_kwargs
 
 
@@ -76,7 +77,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         if serves(engine) == EMBEDDING:
             _embed(engine, requests, write)  # type: ignore[arg-type]
         else:
-            engine.generate(requests, progress=progress, on_finish=write)  # type: ignore[union-attr, arg-type]
+            generate(engine, requests, progress, on_finish=write)  # type: ignore[arg-type]
     return summary
 
 
