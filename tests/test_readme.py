@@ -386,3 +386,23 @@ def test_openai_example_runs_against_a_live_api(tiny_model_dir: Path, tmp_path: 
             assert stop(proc) == 0, log.read_text()
     assert run.returncode == 0, run.stderr
     assert {"q0", "q1"} <= set(re.findall(r"^(q\d+) ", run.stdout, re.M)), run.stdout
+
+
+# ---- the Datasets CLI example, run ------------------------------------------------------------------
+def test_datasets_cli_example_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The first shell block of the Datasets section, as it stands, in an empty folder; the model and its
+    settings come from their environment variables (SLUICE_MODEL: the tiny model)."""
+    import pyarrow.parquet as pq
+
+    (example, *_) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", section("Datasets"), re.M | re.S)
+                     if lang == "bash"]
+    assert "sluice generate texts.parquet" in example
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "SLUICE_MODEL": str(tiny_model_dir), "SLUICE_DTYPE": "float32", "SLUICE_KV_CACHE_MEMORY": "16MiB"}
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", example], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = pq.read_table(tmp_path / "texts.out.parquet").to_pylist()
+    assert [r["id"] for r in out] == ["a", "b"] and all(r["error"] is None and r["completion"] for r in out)
+    assert "2 rows: 2 completed, 0 failed" in run.stderr
+    assert re.search(r"^0\s+a\s", run.stdout, re.M) and re.search(r"^1\s+b\s", run.stdout, re.M), run.stdout
