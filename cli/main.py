@@ -28,6 +28,7 @@ from typing import Any
 import click
 
 from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
+from cli.datasets import InputArg, RowFlags, UsageLine, generate_dataset, wants_dataset, with_row_options
 from cli.job_server_cmds import server_cmd
 from cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
 from cli.output import STDIO, default_errors_path
@@ -54,44 +55,50 @@ def cli(verbose: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path))
-@click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
-              required=True, help="Results, one OpenAI batch output line per request, written as each finishes "
-              "(- for stdout).")
+@click.argument("input_file", type=InputArg(exists=True))
+@click.option("-o", "--output", "output_file", type=click.Path(dir_okay=False, allow_dash=True), required=True,
+              help="Results, one OpenAI batch output line per request, written as each finishes (- for stdout); "
+              "for a dataset, its rows with result columns (.parquet, .jsonl, .csv; a path or URL).")
 @click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix; with -o -, "
-              "stdout too].")
+              "stdout too]. Not for a dataset: its rows' errors are in OUTPUT's error column.")
 @with_engine_options
 @with_sampling_options
-@click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids already in it.")
+@with_row_options()
+@click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids (dataset: rows) already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str,
+def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str,
              enforce_eager: bool, model_impl: str, reasoning_parser: str, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
-             resume: bool, no_progress: bool) -> None:
-    """Run INPUT_FILE (JSONL; - reads stdin) through the engine in-process, no queue: results to OUTPUT,
-    failures to ERRORS.
+             rows: RowFlags, resume: bool, no_progress: bool) -> None:
+    """Run INPUT_FILE through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
-    Lines are OpenAI batch lines ({"custom_id", "method", "url", "body"}) or simple lines
-    ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens); with an
-    embedding model, /v1/embeddings lines and {"input": ...} lines.
+    INPUT_FILE is JSONL (- reads stdin): OpenAI batch lines ({"custom_id", "method", "url", "body"}) or
+    simple lines ({"prompt": ...} or {"messages": [...]}, plus sampling fields such as max_tokens); with
+    an embedding model, /v1/embeddings lines and {"input": ...} lines. Or a dataset: Parquet, CSV, a
+    save_to_disk directory, hf://datasets/OWNER/NAME, at a path or any fsspec URL (s3://, file://,
+    https://), each row made a request by the row flags; OUTPUT is then its rows with completion,
+    finish_reason, usage and error columns added.
     """
-    need_engine()
-    from worker.generate_file import generate_file
-
-    to_stdout = str(output_file) == STDIO
-    if resume and to_stdout:
-        raise click.UsageError("--resume needs an OUTPUT file to resume, not stdout")
-    # The engine writes through its own file object; on stdout that is the process's own stdout.
-    target = Path("/dev/stdout") if to_stdout else output_file
-    errors = errors_file or (target if to_stdout else default_errors_path(output_file))
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser)
+    if wants_dataset(rows, input_file, output_file):
+        _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress)
+        return
+    need_engine()
+    from worker.generate_file import generate_file
+
+    to_stdout = output_file == STDIO
+    if resume and to_stdout:
+        raise click.UsageError("--resume needs an OUTPUT file to resume, not stdout")
+    # The engine writes through its own file object; on stdout that is the process's own stdout.
+    target = Path("/dev/stdout") if to_stdout else Path(output_file)
+    errors = errors_file or (target if to_stdout else default_errors_path(target))
     t0 = time.time()
     try:
-        with readable_input(input_file) as src:
+        with readable_input(Path(input_file)) as src:
             s = generate_file(src, target, errors, model=model, engine_kwargs=kwargs, defaults=defaults,
                               resume=resume, progress=not no_progress)
     except (OSError, ValueError) as e:
@@ -101,6 +108,32 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
                f"(already in output); {s.completion_tokens} tokens in {dt:.1f}s -> "
                f"{'stdout' if to_stdout else output_file}", err=True)
     if s.failed or s.bad_lines:
+        sys.exit(EXIT_SOME_FAILED)
+
+
+def _generate_dataset(input_file: str, output: str, errors_file: Path | None, model: str | None,
+                      kwargs: dict[str, Any], defaults: Any, rows: RowFlags, resume: bool, no_progress: bool) -> None:
+    if STDIO in (input_file, output):
+        raise UsageLine("a dataset is read from and written to a file or URL, not stdin or stdout (-)")
+    if errors_file is not None:
+        raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error column")
+    need_engine()
+    from engine.embedding_model import is_embedding_model
+
+    if is_embedding_model(model):
+        raise UserError("a dataset runs through a generation model; embeddings take JSONL lines")
+
+    def make_engine() -> Any:
+        from engine.llm import LLM
+
+        try:
+            return LLM(model, **kwargs)
+        except (OSError, ValueError) as e:
+            raise UserError(one_line(e)) from None
+
+    s = generate_dataset(input_file, output, rows, resume=resume, progress=not no_progress, make_engine=make_engine,
+                         defaults=defaults)
+    if s.failed or s.no_result:
         sys.exit(EXIT_SOME_FAILED)
 
 

@@ -26,6 +26,8 @@ from cli.common import (
     open_server,
     require_batch,
 )
+from cli.dataset_queue import results_dataset, submit_dataset
+from cli.datasets import InputArg, RowFlags, UsageLine, wants_dataset, with_row_options
 from cli.options import DURATION, sampling_defaults, with_sampling_options
 from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
 from cli.progress import rates, status_text
@@ -67,46 +69,62 @@ def readable_input(path: Path) -> Iterator[Path]:
 
 # ---- submit --------------------------------------------------------------------------------------
 @click.command("submit")
-@click.argument("input_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.argument("input_file", type=InputArg(exists=False))
 @click.option("--model", default=None, help="Model (queue) to run on. Default: the first line's model, else "
               "the one model live workers serve, else 'default'.")
 @click.option("--wait", is_flag=True, help="Wait with a progress bar, writing results to OUTPUT as they land.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="With --wait: completed requests' lines, - for stdout [default: INPUT_FILE's name with "
-              ".results; stdout when INPUT_FILE is -].")
+              ".results; stdout when INPUT_FILE is -]; for a dataset, its rows with result columns.")
 @click.option("--errors", "errors_file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
               default=None, help="With --wait: bad input lines and failed requests [default: OUTPUT with .errors; "
               "with OUTPUT -, stdout too].")
 @with_sampling_options
+@with_row_options()
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--completion-window", type=DURATION, default="24h", show_default=True,
               help="Expire what has not run by then (24h, 90m, 30s, 7d).")
 @json_option
 @job_server_errors
-def submit_cmd(input_file: Path, model: str | None, wait: bool, output: Path | None, errors_file: Path | None,
+def submit_cmd(input_file: str, model: str | None, wait: bool, output: str | None, errors_file: Path | None,
                max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
-               chat_template_kwargs: str | None, priority: int, completion_window: float, as_json: bool) -> None:
+               chat_template_kwargs: str | None, rows: RowFlags, priority: int, completion_window: float,
+               as_json: bool) -> None:
     """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines; - reads
-    stdin) and print the batch id. Bad lines are reported with their line numbers and the rest runs."""
+    stdin) and print the batch id. Bad lines are reported with their line numbers and the rest runs.
+
+    Or a dataset (Parquet, CSV, a save_to_disk directory, hf://datasets/..., at a path or any fsspec
+    URL), each row made a request by the row flags; `sluice results BATCH -o OUT.parquet` (or --wait)
+    writes its rows with result columns added.
+    """
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
-    if wait and output is None and str(input_file) == STDIO:
-        output = Path(STDIO)
-    if wait and as_json and str(output) == STDIO:
+    if wants_dataset(rows, input_file, output if wait else None):
+        if errors_file is not None:
+            raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error "
+                            "column")
+        r = open_server()
+        submit_dataset(r, input_file, rows, _queue(r, model), defaults, priority, completion_window, wait=wait,
+                       output=output, as_json=as_json)
+        return
+    input_path, output_path = Path(input_file), Path(output) if output is not None else None
+    if wait and output_path is None and input_file == STDIO:
+        output_path = Path(STDIO)
+    if wait and as_json and str(output_path) == STDIO:
         raise click.UsageError("--json and results on stdout (-o -) would share stdout; give -o a file")
-    with readable_input(input_file) as path:
+    with readable_input(input_path) as path:
         named = _first_model(path)
         r = open_server()
         queue = _queue(r, model if model is not None else named)
-        batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=str(input_file))
+        batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=input_file)
         if batch.counts.total == 0:
             if as_json:
                 _print_json(batch.to_openai())
             first = f" ({_first_error(batch)})" if batch.errors else ""
             raise UserError(f"no valid requests in {input_file}{first}")
         if not as_json:  # the id on stdout, unless stdout carries the results
-            click.echo(batch.id, err=wait and str(output) == STDIO)
+            click.echo(batch.id, err=wait and str(output_path) == STDIO)
         if wait:
-            _wait(r, batch, path, output, errors_file, as_json)
+            _wait(r, batch, path, output_path, errors_file, as_json)
             return
     if as_json:
         _print_json(batch.to_openai())
@@ -251,22 +269,34 @@ def _watch(r: redis.Redis, batch_id: str, watch: bool, interval: float) -> Itera
 
 @click.command("results")
 @click.argument("batch_id")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Completed requests' lines go here (appended to: a rerun resumes). Default (or -): every "
-              "line to stdout.")
+              "line to stdout. A .parquet or .csv name (or --output-format): the batch's dataset rows with "
+              "result columns, rewritten.")
 @click.option("--errors", "errors_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Failed requests and bad input lines [default: OUTPUT with .errors].")
 @click.option("--follow", is_flag=True, help="Keep writing results as they land until the batch is final.")
 @click.option("--progress/--no-progress", default=True, help="A progress bar while following into OUTPUT.")
+@click.option("--source", metavar="PATH_OR_URL", default=None, help="The dataset the batch's rows came from, to "
+              "join its results to [default: the one it was submitted from].")
+@with_row_options()
 @job_server_errors
-def results_cmd(batch_id: str, output: Path | None, errors_file: Path | None, follow: bool, progress: bool) -> None:
-    """A batch's results so far (or, with --follow, as they land), as OpenAI batch output lines."""
+def results_cmd(batch_id: str, output: str | None, errors_file: Path | None, follow: bool, progress: bool,
+                source: str | None, rows: RowFlags) -> None:
+    """A batch's results so far (or, with --follow, as they land), as OpenAI batch output lines; or,
+    into a dataset file, every row of the batch's dataset with its result columns."""
     r = open_server()
+    if output is not None and (source is not None or wants_dataset(rows, output)):
+        if errors_file is not None:
+            raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error "
+                            "column")
+        results_dataset(r, batch_id, output, source, rows, follow, progress)
+        return
     batch = require_batch(get_batch(r, batch_id), batch_id)
-    if output is None or str(output) == STDIO:
+    if output is None or output == STDIO:
         _results_to_stdout(r, batch, follow)
         return
-    files = ResultFiles(output, errors_file or default_errors_path(output))
+    files = ResultFiles(Path(output), errors_file or default_errors_path(Path(output)))
     _write_line_errors(r, batch, files)
     final = _follow(r, batch, files, progress=progress and follow, follow=follow)
     if final.is_final:

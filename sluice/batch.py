@@ -9,10 +9,10 @@ from typing import Any
 
 import redis
 
-from jobs.datasets import RowError, RowSpec, Source, WriteSummary, read_requests
+from jobs.datasets import RowError, RowSpec, Source, WriteSummary
+from jobs.datasets.queue import join_results, submit_rows
 from jobs.schemas import Batch as BatchStatus
-from jobs.store import cancel_batch, get_batch, get_line_errors, output_lines
-from jobs.submit import submit as submit_lines
+from jobs.store import cancel_batch, get_batch, output_lines
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
 
 
@@ -78,15 +78,13 @@ class Batch:
         .csv; any fsspec URL)."""
         self.wait(timeout, progress)
         with joined(self.source, self.spec, output, **writer) as (w, _):
-            self._feed(w)
-            return w.close()
+            return join_results(self.r, self.id, w, self.row_errors)
 
     def to_arrow(self, *, timeout: float | None = None, progress: bool = True) -> Any:
         """Wait, then every source row with its result columns, as a pyarrow Table."""
         self.wait(timeout, progress)
         with joined(self.source, self.spec, None) as (w, table):
-            self._feed(w)
-            w.close()
+            join_results(self.r, self.id, w, self.row_errors)
             return table()
 
     def to_pandas(self, **kw: Any) -> Any:
@@ -106,11 +104,6 @@ class Batch:
         """The results in the kind of data submitted (a DataFrame for a DataFrame, ...)."""
         return like(self.to_arrow(**kw), self._data)
 
-    def _feed(self, w: Any) -> None:
-        for e in self.row_errors:
-            w.add_error(e)
-        for line in output_lines(self.r, self.id):
-            w.add(line)
 
 
 def submit(data: Data, *, model: str | None = None, prompt_column: str | None = None,
@@ -127,18 +120,6 @@ def submit(data: Data, *, model: str | None = None, prompt_column: str | None = 
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
     defaults = sampling_defaults(sampling)
     r = r or connect()
-    row_errors: list[RowError] = []
-
-    def lines() -> Iterator[str]:
-        for item in read_requests(source, spec):
-            if isinstance(item, RowError):
-                row_errors.append(item)
-                yield ""  # a blank line keeps the batch's line numbers at row numbers + 1
-            else:
-                yield item.line
-
-    batch = submit_lines(lines(), r=r, model=model, defaults=defaults, priority=priority, metadata=metadata,
-                         input_name=source.url)
-    # Lines submit itself refused (a row's settings with the defaults): line n is row n - 1.
-    row_errors += [RowError(e.line - 1, None, e.code, e.message) for e in get_line_errors(r, batch.id)]
+    batch, row_errors = submit_rows(source, spec, r, model=model, defaults=defaults, priority=priority,
+                                    metadata=metadata)
     return Batch(batch.id, source, spec, row_errors, r, data)

@@ -1,19 +1,13 @@
 """``sluice.generate``: rows through the engine in this process, no job server (``sluice generate``'s
-path). Requests are read from the source as the engine has room for them, and each result is joined
-to its row as it finishes, so neither the rows nor their requests are all in memory at once."""
+path, worker/generate_rows.py). Requests are read from the source as the engine has room for them, and
+each result is joined to its row as it finishes, so neither the rows nor their requests are all in
+memory at once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from jobs.datasets import ResultsWriter, RowError, RowSpec, Source, WriteSummary, read_requests
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import Job, SamplingParams
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
-
-WINDOW_PER_SEQ = 2  # requests read ahead per engine slot: the scheduler always has the next ones waiting
 
 
 def generate(data: Data, *, model: str | None = None, prompt_column: str | None = None,
@@ -38,68 +32,15 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     source = source_of(data, storage_options)
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
     defaults = sampling_defaults(sampling)
-    with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
-        jobs = _jobs(source, spec, defaults, writer, resume)
-        first = next(jobs, None)
-        if first is not None:  # the model is loaded only when some row needs it
-            from engine.llm import LLM
+    from worker.generate_rows import generate_rows  # the engine side: torch only when generating
 
-            engine = llm if llm is not None else LLM(model, **(engine_options or {}))
-            run_jobs(engine, _chain(first, jobs), writer, progress, total=source.num_rows())
-        summary: WriteSummary = writer.close()
+    with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
+        summary = generate_rows(source, spec, writer, lambda: llm if llm is not None else _llm(model, engine_options),
+                                defaults=defaults, resume=resume, progress=progress)
         return summary if output is not None else like(table(), data)
 
 
-def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: bool = True,
-             total: int | None = None) -> None:
-    """Feed ``jobs`` to ``engine`` a window at a time (read on as requests finish) and give each result
-    to ``writer`` as it finishes."""
-    from tqdm import tqdm
+def _llm(model: str | None, engine_options: dict[str, Any] | None) -> Any:
+    from engine.llm import LLM
 
-    from worker.convert import completion_to_result, job_to_request
-
-    vocab = getattr(getattr(engine, "hf_config", None), "vocab_size", None)
-    window = WINDOW_PER_SEQ * getattr(getattr(engine, "config", None), "max_num_seqs", 64)
-    in_flight: dict[str, Job] = {}
-    more = True
-    with tqdm(total=total, unit="row", desc="generate", disable=not progress) as bar:
-        while True:
-            while more and len(in_flight) < window:
-                job = next(jobs, None)
-                if job is None:
-                    more = False
-                    break
-                try:
-                    engine.add_request(job_to_request(job, vocab_size=vocab))
-                except ValueError as e:  # settings the engine refuses: that row's error
-                    writer.add_error(RowError(job.line - 1, job.custom_id, "invalid_request", str(e)))
-                    continue
-                in_flight[job.custom_id] = job
-            if not in_flight:
-                return
-            for c in engine.step():
-                job = in_flight.pop(c.request_id)
-                writer.add(result_to_output_line(job, completion_to_result(job, c, engine.tokenizer)))
-                bar.update(1)
-
-
-def _jobs(source: Source, spec: RowSpec, defaults: SamplingParams | None, writer: ResultsWriter,
-          resume: bool) -> Iterator[Job]:
-    """The rows' jobs, read as needed; rows that do not render go to the writer as errors."""
-    skip: Callable[[str], bool] | None = writer.done if resume else None
-    for item in read_requests(source, spec, skip=skip):
-        if isinstance(item, RowError):
-            writer.add_error(item)
-            continue
-        try:
-            job = parse_line(item.line, item.row + 1, defaults)
-        except LineError as e:  # a default the row's own values make invalid (min_tokens > max_tokens)
-            writer.add_error(RowError(item.row, item.custom_id, e.code, e.message))
-            continue
-        job.id = job.custom_id
-        yield job
-
-
-def _chain(first: Job, rest: Iterator[Job]) -> Iterator[Job]:
-    yield first
-    yield from rest
+    return LLM(model, **(engine_options or {}))

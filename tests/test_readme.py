@@ -386,3 +386,51 @@ def test_openai_example_runs_against_a_live_api(tiny_model_dir: Path, tmp_path: 
             assert stop(proc) == 0, log.read_text()
     assert run.returncode == 0, run.stderr
     assert {"q0", "q1"} <= set(re.findall(r"^(q\d+) ", run.stdout, re.M)), run.stdout
+
+
+# ---- the Datasets CLI example, run ------------------------------------------------------------------
+def test_datasets_cli_example_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The first shell block of the Datasets section, as it stands, in an empty folder; the model and its
+    settings come from their environment variables (SLUICE_MODEL: the tiny model)."""
+    import pyarrow.parquet as pq
+
+    datasets = README.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]  # section() stops at a "# comment"
+    (example, *_) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", datasets, re.M | re.S)
+                     if lang == "bash"]
+    assert "sluice generate texts.parquet" in example
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "SLUICE_MODEL": str(tiny_model_dir), "SLUICE_DTYPE": "float32", "SLUICE_KV_CACHE_MEMORY": "16MiB"}
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", example], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=1800)  # a first build of the C++ ops can take minutes
+    assert run.returncode == 0, run.stderr
+    out = pq.read_table(tmp_path / "texts.out.parquet").to_pylist()
+    assert [r["id"] for r in out] == ["a", "b"] and all(r["error"] is None and r["completion"] for r in out)
+    assert "2 rows: 2 completed, 0 failed" in run.stderr
+    assert re.search(r"^0\s+a\s", run.stdout, re.M) and re.search(r"^1\s+b\s", run.stdout, re.M), run.stdout
+
+
+def test_datasets_python_example_calls_what_the_api_has() -> None:
+    """The notebook example needs a model and a job server to run; here every call it makes is checked
+    against the API: the function or method exists and takes each keyword it is given."""
+    import ast
+    import inspect
+
+    import sluice
+    from jobs.schemas import SamplingParams
+
+    datasets = README.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", datasets, re.M | re.S) if lang == "python"]
+    owners = {"sluice": sluice, "batch": sluice.Batch}
+    checked = []
+    for node in ast.walk(ast.parse(example)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id in owners:
+            f = getattr(owners[node.func.value.id], node.func.attr)
+            params = inspect.signature(f).parameters
+            # **sampling: the keywords are SamplingParams' fields (max_tokens=24)
+            sampling = set(SamplingParams.model_fields) if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set()
+            for kw in node.keywords:
+                assert kw.arg in params or kw.arg in sampling, f"{node.func.value.id}.{node.func.attr} takes no {kw.arg}="
+            checked.append(f"{node.func.value.id}.{node.func.attr}")
+    assert {"sluice.generate", "sluice.submit", "batch.wait", "batch.to_pandas"} <= set(checked), checked
+    assert all(hasattr(sluice.Batch, m) for m in ("to_arrow", "to_polars", "to_dataset", "write"))  # named in a comment
