@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import anyio
+import redis
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -154,7 +155,7 @@ def _queue(state: AppState, job: Job, url: str) -> _Call:
     return call
 
 
-def _check_kind(r: Any, queue: str, job: Job, url: str) -> None:
+def _check_kind(r: redis.Redis, queue: str, job: Job, url: str) -> None:
     """Refuse a request for the other kind of model than the queue's live workers serve (its worker would
     fail it anyway: this answers at once, and without a worker's round trip). No live worker: no check."""
     want = "embedding" if job.kind == "embedding" else "generation"
