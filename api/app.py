@@ -27,7 +27,7 @@ from api.state import AppState, State, require_key
 from api.validation import max_line_bytes
 from jobs.connection import is_cluster
 from jobs.settings import load
-from jobs.store import list_workers
+from jobs.store import list_workers, served_kinds
 
 FILE_SWEEP_EVERY = 60.0  # seconds between deletions of expired files
 
@@ -76,10 +76,7 @@ async def _sweep_files(state: AppState) -> None:
 
 
 def list_models(state: State) -> dict[str, Any]:
-    serves: dict[str, set[str]] = {}
-    for w in list_workers(state.redis()):
-        # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
-        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+    serves = served_kinds(state.redis())
     return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
                                         "serves": sorted(serves[q])} for q in sorted(serves)]}
 

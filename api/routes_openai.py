@@ -1,4 +1,5 @@
-"""OpenAI's online endpoints on the queue: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+"""OpenAI's online endpoints on the queue: ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``POST /v1/embeddings``.
 
 The body is checked exactly as a batch line's body (jobs/lines.py: same fields, limits and error
 shapes), becomes one job at the interactive priority (jobs/interactive.py has the design: a one-job
@@ -6,7 +7,9 @@ batch, a blocking read for its result, text deltas through a stream per request)
 OpenAI's response (jobs/openai_output.py) or, with ``stream: true``, its chunks as server-sent events
 ending in ``data: [DONE]``. A client that goes away cancels its job; one that waits past
 SLUICE_INTERACTIVE_TIMEOUT gets 504 (its job cancelled); past SLUICE_INTERACTIVE_MAX_WAITING requests
-waiting on the model, 429 with Retry-After. ``/v1/embeddings`` waits for embeddings in the worker.
+waiting on the model, 429 with Retry-After. ``/v1/embeddings`` is the same one-job batch on an embedding
+model's queue (never streamed), answered as OpenAI's CreateEmbeddingResponse; a request for the other
+kind of model than the queue's live workers serve is refused (400) before anything is queued.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import anyio
+import redis
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -28,10 +32,12 @@ from api.metrics import OpenAIMetrics
 from api.state import AppState, get_state
 from api.validation import check_job, named_model
 from jobs import interactive
+from jobs.embeddings import EMBEDDINGS_URL
 from jobs.interactive import Delta, Waiter
 from jobs.lines import LineError, parse_line
 from jobs.openai_output import completion_body
 from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
+from jobs.store import served_kinds
 from jobs.submit import UnknownModel, resolve_model, submit_job
 
 router = APIRouter(tags=["openai"])
@@ -49,6 +55,17 @@ async def chat_completions(request: Request, body: Annotated[dict[str, Any], Bod
 @router.post("/v1/completions", summary="A text completion, run on the queue (OpenAI's shape)")
 async def completions(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
     return await _serve(request, body, COMPLETIONS_URL)
+
+
+@router.post("/v1/embeddings", summary="Embeddings, computed on the queue (OpenAI's shape)")
+async def embeddings(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
+    state = get_state(request)
+    job = _parse(body, EMBEDDINGS_URL, state.settings.max_prompt_chars)  # ``stream`` is not one of its fields
+    call = await run_in_threadpool(_queue, state, job, EMBEDDINGS_URL)
+    try:
+        return await _answer(request, call)
+    finally:
+        await call.close()
 
 
 @dataclass
@@ -123,6 +140,7 @@ def _queue(state: AppState, job: Job, url: str) -> _Call:
         queue = resolve_model(r, named_model(job))
     except UnknownModel as e:
         raise ApiError(400, str(e), code="model_not_found", param="model") from None
+    _check_kind(r, queue, job, url)
     call = _Call(state, job, queue, interactive.new_request_id(), url)
     if not interactive.admit(r, queue, call.batch_id, s.interactive_max_waiting,
                              STALE_AFTER_FACTOR * s.interactive_timeout):
@@ -135,6 +153,20 @@ def _queue(state: AppState, job: Job, url: str) -> _Call:
         interactive.close(r, queue, call.batch_id, cancel=False)
         raise
     return call
+
+
+def _check_kind(r: redis.Redis, queue: str, job: Job, url: str) -> None:
+    """Refuse a request for the other kind of model than the queue's live workers serve (its worker would
+    fail it anyway: this answers at once, and without a worker's round trip). No live worker: no check."""
+    want = "embedding" if job.kind == "embedding" else "generation"
+    kinds = served_kinds(r).get(queue)
+    if not kinds or want in kinds:
+        return
+    if want == "embedding":
+        why = f"model {queue!r} generates text: {url} needs an embedding model"
+    else:
+        why = f"model {queue!r} serves embeddings: {url} needs a text generation model (use /v1/embeddings)"
+    raise ApiError(400, why, code="model_not_supported", param="model")
 
 
 def _waiter(request: Request, call: _Call, deltas: bool) -> Waiter:

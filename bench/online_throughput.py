@@ -120,15 +120,21 @@ async def online_path(url: str, prompts: list[str], max_tokens: int, clients: in
     todo = list(enumerate(prompts))
     latencies: list[float] = []
     tokens = 0
+    errors: dict[str, int] = {}
 
     async def one_client() -> None:
         nonlocal tokens
         while todo:
             _, p = todo.pop()
             t = time.monotonic()
-            resp = await client.chat.completions.create(model=QUEUE, messages=[{"role": "user", "content": p}],
-                                                        max_tokens=max_tokens, temperature=0,
-                                                        extra_body={"ignore_eos": True})
+            try:
+                resp = await client.chat.completions.create(model=QUEUE, messages=[{"role": "user", "content": p}],
+                                                            max_tokens=max_tokens, temperature=0,
+                                                            extra_body={"ignore_eos": True})
+            except openai.APIError as e:  # counted, not fatal: a run with errors says so in its report
+                name = type(e).__name__
+                errors[name] = errors.get(name, 0) + 1
+                continue
             latencies.append(time.monotonic() - t)
             tokens += resp.usage.completion_tokens if resp.usage else 0
 
@@ -136,10 +142,11 @@ async def online_path(url: str, prompts: list[str], max_tokens: int, clients: in
     await asyncio.gather(*(one_client() for _ in range(clients)))
     wall = time.monotonic() - t0
     await client.close()
-    return {"clients": clients, "requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
+    return {"clients": clients, "requests": len(prompts), "answered": len(latencies), "errors": errors,
+            "wall_s": wall, "requests_per_s": len(latencies) / wall,
             "tokens_per_s": tokens / wall, "latency_p50_s": percentile(latencies, 0.5),
             "latency_p90_s": percentile(latencies, 0.9), "latency_p99_s": percentile(latencies, 0.99),
-            "latency_mean_s": statistics.fmean(latencies)}
+            "latency_mean_s": statistics.fmean(latencies) if latencies else float("nan")}
 
 
 def main() -> None:
@@ -170,10 +177,13 @@ def main() -> None:
             for n in (int(x) for x in args.clients.split(",")):
                 res = asyncio.run(online_path(url, prompts, args.max_tokens, n))
                 res["of_batch_tokens_per_s"] = res["tokens_per_s"] / batch["tokens_per_s"]
+                res["of_batch_requests_per_s"] = res["requests_per_s"] / batch["requests_per_s"]
                 online.append(res)
+                failed = f", {sum(res['errors'].values())} FAILED {res['errors']}" if res["errors"] else ""
                 print(f"{n:4d} clients: {res['requests_per_s']:.1f} req/s, {res['tokens_per_s']:.0f} tok/s "
                       f"({100 * res['of_batch_tokens_per_s']:.0f}% of batch), latency p50 {res['latency_p50_s']:.2f}s "
-                      f"p90 {res['latency_p90_s']:.2f}s p99 {res['latency_p99_s']:.2f}s", flush=True)
+                      f"p90 {res['latency_p90_s']:.2f}s p99 {res['latency_p99_s']:.2f}s ({res['wall_s']:.1f}s)"
+                      f"{failed}", flush=True)
         finally:
             for proc in reversed(procs):
                 proc.terminate()

@@ -1,4 +1,5 @@
-"""Interactive requests (the API's ``/v1/chat/completions`` and ``/v1/completions``) on the job plane.
+"""Interactive requests (the API's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``) on
+the job plane.
 
 - A request is a one-job batch ``req_<hex>`` (``submit.submit_job``) at the interactive priority, so
   workers pull it before batch work, and it has every guarantee of a batch job: re-run by another

@@ -348,3 +348,12 @@ def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
 def served_queues(r: redis.Redis) -> set[str]:
     """The queues (model names) live workers serve."""
     return {w["queue"] for w in list_workers(r) if w.get("queue")}
+
+
+def served_kinds(r: redis.Redis) -> dict[str, set[str]]:
+    """What live workers serve, per queue: "generation" and/or "embedding" (a heartbeat without the
+    field is an older worker's: generation). A queue without a named model is "default"."""
+    kinds: dict[str, set[str]] = {}
+    for w in list_workers(r):
+        kinds.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+    return kinds
