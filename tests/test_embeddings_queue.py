@@ -15,9 +15,15 @@ import numpy as np
 import pytest
 import redis
 from helpers import fresh_seed
-from jobs_helpers import ThreadWorker, assert_exactly_once, held_by, wait_for, worker_process
+from jobs_helpers import (
+    ThreadWorker,
+    assert_exactly_once,
+    finish_with,
+    kill_9_mid_batch,
+    wait_for,
+    worker_process,
+)
 
-from jobs import keys
 from jobs.embeddings import decode_base64, encode_base64
 from jobs.lines import LineError, parse_line
 from jobs.openai_output import result_to_output_line
@@ -164,22 +170,9 @@ def test_20000_lines_kill_9_mid_batch_exactly_once(r: redis.Redis, minilm: Any, 
             lines.append(_openai_line(f"c{i}", [t, texts[i - 1]]))  # two inputs: one result, two vectors
     b = submit(lines, r=r, model="emb")
     log = tmp_path / "worker.log"
-    for frac in (0.1, 0.4):
-        p = worker_process(Path(MINILM), "w1", "--queue", "emb", log=log)
-        try:
-            wait_for(lambda p=p, frac=frac: r.hlen(keys.done(b.id)) >= frac * n or p.poll() is not None, 600,
-                     f"{frac:.0%} done")
-            assert p.poll() is None, log.read_text()[-3000:]
-            assert held_by(r, b.id, "w1") > 0  # it dies holding jobs
-        finally:
-            p.kill()
-            p.wait()
-    p = worker_process(Path(MINILM), "w2", "--queue", "emb", "--exit-when-idle", "2", log=log)
-    try:
-        wait_for(lambda: get_batch(r, b.id).is_final, 900, "the batch to finish")
-        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        p.kill()
+    kill_9_mid_batch(r, b.id, n, (0.1, 0.4), lambda: worker_process(Path(MINILM), "w1", "--queue", "emb", log=log), log,
+                     "w1", 600)
+    finish_with(r, b.id, worker_process(Path(MINILM), "w2", "--queue", "emb", "--exit-when-idle", "2", log=log), log, 900)
     assert get_batch(r, b.id).status == "completed"
     entries = assert_exactly_once(r, b.id, n)
     assert all(e["status"] == "completed" and e["kind"] == "embedding" for e in entries)
