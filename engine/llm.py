@@ -29,6 +29,7 @@ from engine.loader import (
 from engine.model_runner import ModelRunner
 from engine.models.select import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
+from engine.quant.checkpoint import read_weight_scales
 from engine.quant.int8 import quantize_linears
 from engine.quant.methods import pick_impl, plan_quantization
 from engine.reasoning import attach_thinking, find_parser, split_output
@@ -68,7 +69,9 @@ class LLM:
             max_len = min(max_len, self.config.max_model_len)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
         if quant.native_int8:
-            log.info("int8 weight-only: %d linear layers quantized", quantize_linears(cast(torch.nn.Module, net)))
+            scales = read_weight_scales(dense_path(src)) if quant.checkpoint_scales else None
+            count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
+            log.info("int8 weight-only: %d linear layers (%s scales)", count, "checkpoint" if scales else "absmax")
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
         del hf

@@ -64,14 +64,43 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def quantize_with_scale(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``weight``'s int8 values for given per-row scales: a checkpoint's own, under which its dequantized
+    weight (q * scale, rounded once) divides back to exactly q (its quantizer may use all of -128..127)."""
+    return torch.round(weight.detach().float() / scale.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+
+
+# The native path's fused layers and the checkpoint layers stacked in them, in order, along the output rows.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_scale(name: str, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The per-row scale of the native layer ``name`` (``layers.0.self_attn.qkv_proj``) from a checkpoint's
+    ``weight_scale`` tensors (``model.layers.0.self_attn.q_proj.weight_scale``, ...)."""
+    prefix, _, last = name.rpartition(".")
+    parts = [f"model.{prefix}.{p}.weight_scale" for p in FUSED.get(last, (last,))]
+    missing = [p for p in parts if p not in scales]
+    if missing:
+        raise ValueError(f"the checkpoint has no {missing[0]} (not an int8 per-channel layer)")
+    return torch.cat([scales[p].flatten() for p in parts])
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",),
+                     scales: dict[str, torch.Tensor] | None = None) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` (but those named in ``skip``: the head stays in the
     model's dtype, as transformers' torchao and most int8 checkpoints leave it) by an ``Int8Linear``;
-    returns how many."""
+    returns how many. ``scales``: a checkpoint's ``weight_scale`` tensors by name, to take its int8
+    values back exactly; None: absmax / 127 per row."""
     count = 0
-    for parent in list(model.modules()):
+    for full, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and name not in skip:
-                setattr(parent, name, Int8Linear.from_linear(child))
-                count += 1
+            if type(child) is not nn.Linear or name in skip:
+                continue
+            if scales is None:
+                layer = Int8Linear.from_linear(child)
+            else:
+                scale = checkpoint_scale(f"{full}.{name}" if full else name, scales)
+                layer = Int8Linear(quantize_with_scale(child.weight, scale), scale, child.bias, child.weight.dtype)
+            setattr(parent, name, layer)
+            count += 1
     return count

@@ -2,8 +2,9 @@
 
 - ``auto``: a checkpoint's own quantization (its config's ``quantization_config``), else dense weights.
   transformers' quantizer integrations load it. compressed-tensors int8 checkpoints with per-channel
-  weight-only scales run on the native path as int8 (engine/quant/int8.py; the same int8 values, since the
-  checkpoint is read back dequantized and requantized per channel). Every other quantized checkpoint runs
+  weight-only scales run on the native path as int8 (engine/quant/int8.py; the checkpoint's own int8
+  values: transformers reads it back dequantized and the checkpoint's scales divide them out again,
+  engine/quant/checkpoint.py). Every other quantized checkpoint runs
   on the transformers path; on CPU, compressed-tensors' own route decompresses the weights to dense at
   the first forward (transformers has FP8 kernels for CUDA >= 8.9 only), so its memory is not saved there.
 - ``int8``: int8 weight-only, one scale per output channel, quantized at load: the native path's
@@ -36,6 +37,7 @@ class QuantPlan:
     name: str  # the start-up line's and /v1/models' word for it: none | int8 | w8a8 | int4 | compressed-tensors:...
     load_config: Any = None  # transformers' quantization_config for from_pretrained; None: the checkpoint's own
     native_int8: bool = False  # the native path swaps its linear layers for Int8Linear after loading
+    checkpoint_scales: bool = False  # ... with the checkpoint's own scales (engine/quant/checkpoint.py)
 
 
 def checkpoint_quantization(config: Any) -> dict[str, Any] | None:
@@ -109,7 +111,8 @@ def plan_quantization(config: Any, requested: str, impl: str, device: torch.devi
         if impl == "native":  # native_int8_checkpoint: read back dense, requantized per channel
             from transformers import CompressedTensorsConfig
 
-            return QuantPlan(describe_checkpoint(q), CompressedTensorsConfig(dequantize=True), native_int8=True)
+            return QuantPlan(describe_checkpoint(q), CompressedTensorsConfig(dequantize=True), native_int8=True,
+                             checkpoint_scales=True)
         return QuantPlan(describe_checkpoint(q))
     if requested == "auto":
         return QuantPlan("none")
