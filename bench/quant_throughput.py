@@ -11,7 +11,8 @@ A config is DTYPE:QUANTIZATION (``sluice --dtype`` and ``--quantization``). Each
 greedy), after one short warm-up, with ``cpu_linear`` auto (the dense head and dense models get the
 fastest measured GEMM). Reported per config: output tokens/s, the weights' real bytes (what the KV sizing
 takes away from a memory budget), the KV blocks a ``--memory-budget`` leaves (weights + KV cache), the
-process's peak RSS, and how many prompts' greedy tokens are identical to the dense run in the same dtype.
+process's RSS after the run and at its peak (the load's dense copy), and how many prompts' greedy tokens
+are identical to the dense run in the same dtype.
 ``--gemm`` times, interleaved and best-of-N, a decode layer's GEMMs at a few row counts: dense (F.linear),
 ATen's ``_weight_int8pack_mm`` and dequantize-on-the-fly, the two int8 GEMMs Int8Linear chooses between.
 Writes bench/out/TAG.json and TAG.md.
@@ -66,8 +67,18 @@ def run_child(args: argparse.Namespace) -> None:
               "load_s": load_s, "seconds": seconds, "output_tokens": sum(map(len, out)),
               "tokens_per_s": sum(map(len, out)) / seconds, "weight_bytes": weight_bytes(llm.runner.model),
               "kv_blocks": llm.num_total_blocks, "kv_bytes_per_block": llm.runner.bytes_per_block(),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": out}
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "rss_after_bytes": _rss_now(), "tokens": out}
     Path(args.result).write_text(json.dumps(result))
+
+
+def _rss_now() -> int:
+    """The process's resident bytes now (after the run: the weights and KV cache held, not the load's peak,
+    which the dense copy transformers loads first dominates)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def run_config(config: str, args: argparse.Namespace, workload: Path) -> dict[str, Any] | None:
@@ -143,11 +154,12 @@ def markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace, n: int) 
     agree = agreement(rows)
     lines = [f"{n} prompts x {args.max_tokens} tokens, greedy, max_num_seqs {args.max_num_seqs}, memory budget "
              f"{args.memory_budget / 2**30:.1f} GiB (weights + KV cache)", "",
-             "| config | path | tokens/s | weights MB | KV blocks | peak RSS MB | identical to dense |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| config | path | tokens/s | weights MB | KV blocks | RSS after MB | peak RSS MB | identical to dense |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for config, r in rows.items():
-        lines.append(f"| {config} | {r['model_impl']} ({r['quantization']}) | {r['tokens_per_s']:.0f} | "
-                     f"{r['weight_bytes'] / 1e6:.1f} | {r['kv_blocks']} | {r['peak_rss_bytes'] / 1e6:.0f} | "
+        lines.append(f"| {config} | {r['model_impl']} ({r['quantization']}) | {r['tokens_per_s']:.1f} | "
+                     f"{r['weight_bytes'] / 1e6:.1f} | {r['kv_blocks']} | {r['rss_after_bytes'] / 1e6:.0f} | "
+                     f"{r['peak_rss_bytes'] / 1e6:.0f} | "
                      f"{agree.get(config, '-')} |")
     return "\n".join(lines)
 
@@ -193,7 +205,7 @@ def main() -> None:
         r = run_config(config, args, workload)
         if r is not None:
             rows[config] = r
-            print(f"{config}: {r['tokens_per_s']:.0f} tok/s, weights {r['weight_bytes'] / 1e6:.1f} MB, "
+            print(f"{config}: {r['tokens_per_s']:.1f} tok/s, weights {r['weight_bytes'] / 1e6:.1f} MB, "
                   f"{r['kv_blocks']} KV blocks, peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB", flush=True)
     table = markdown(rows, args, len(ids))
     (OUT / f"{args.tag}.json").write_text(json.dumps({k: {**v, "tokens": None} for k, v in rows.items()}, indent=1))
