@@ -21,11 +21,12 @@ pytest_plugins = ["jobs_fixtures"]
 
 
 def test_generate_runs_int8_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--quantization int8 and --memory-budget reach the engine (the KV cache is what the weights leave)."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt": f"Tell me {i}", "max_tokens": 4}) + "\n"
                            for i in range(3)))
     args = ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32",
-            "--kv-cache-memory", "16MiB", "--quantization", "int8", "--no-progress"]
+            "--memory-budget", "64MiB", "--quantization", "int8", "--no-progress"]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
