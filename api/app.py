@@ -76,9 +76,16 @@ async def _sweep_files(state: AppState) -> None:
 
 
 def list_models(state: State) -> dict[str, Any]:
-    serves = served_kinds(state.redis())
+    serves: dict[str, set[str]] = {}
+    quantization: dict[str, set[str]] = {}
+    for w in list_workers(state.redis()):
+        # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
+        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+        # the weights' quantization each worker loaded (engine/quant/methods.py; older workers: none)
+        quantization.setdefault(w.get("queue") or "default", set()).add(w.get("quantization") or "none")
     return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
-                                        "serves": sorted(serves[q])} for q in sorted(serves)]}
+                                        "serves": sorted(serves[q]), "quantization": sorted(quantization[q])}
+                                       for q in sorted(serves)]}
 
 
 def healthz(state: State) -> JSONResponse:

@@ -63,6 +63,13 @@ engine_options = [
     env_option("--reasoning-parser", envvar="SLUICE_REASONING_PARSER", default="auto", show_default=True,
                help="Think delimiters of a reasoning model: auto (found in the tokenizer's vocabulary), none, or "
                "qwen3 | deepseek_r1 | seed_oss."),
+    env_option("--quantization", envvar="SLUICE_QUANTIZATION", type=click.Choice(["auto", "int8", "w8a8", "int4"]),
+               default="auto", show_default=True, help="Weights: auto (the checkpoint's own quantization, else "
+               "dense), int8 (weight-only, quantized at load; native path or torchao), w8a8 (torchao, int8 "
+               "activations too) or int4 (torchao, CUDA only)."),
+    env_option("--memory-budget", envvar="SLUICE_MEMORY_BUDGET", type=SIZE, default=None,
+               help="Bytes for the weights and the KV cache together, e.g. 8GiB: the KV cache gets what the "
+               "loaded weights leave (quantized weights leave more). --kv-cache-memory wins where both are set."),
 ]
 
 sampling_options = [
@@ -106,7 +113,8 @@ def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: 
 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
                   policy: str, enforce_eager: bool = False, model_impl: str = "auto",
-                  reasoning_parser: str = "auto") -> dict[str, Any]:
+                  reasoning_parser: str = "auto", quantization: str = "auto",
+                  memory_budget: int | None = None) -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl,
-                reasoning_parser=reasoning_parser)
+                reasoning_parser=reasoning_parser, quantization=quantization, memory_budget=memory_budget)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 CPU_LINEAR = ("auto", "aten", "onednn-packed", "fp32-compute")
+QUANTIZATIONS = ("auto", "int8", "w8a8", "int4")
 
 
 @dataclass
@@ -33,6 +34,12 @@ class EngineConfig:
     cpu_linear: str = "auto"
     # Think delimiters (engine/reasoning.py): auto = found in the tokenizer's vocabulary | a parser's name | none.
     reasoning_parser: str = "auto"
+    # Weights (engine/quant/methods.py): auto = the checkpoint's own (dense if none) | int8 (weight-only,
+    # quantized at load) | w8a8 | int4 (transformers path, torchao).
+    quantization: str = "auto"
+    # Bytes for the weights and the KV cache together: the KV cache gets what the loaded weights leave
+    # (their real bytes, so quantized weights leave more). None = kv_cache_memory or the device's default.
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -43,5 +50,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {self.attention_backend!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")

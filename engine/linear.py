@@ -222,7 +222,9 @@ def install(model: nn.Module, impl: str) -> int:
     made: dict[int, nn.Module] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:  # subclasses (quantized, LoRA) may read their own weight
+            # Subclasses (quantized, LoRA) may read their own weight; a quantized tensor subclass
+            # weight (torchao) runs its own kernel.
+            if type(child) is nn.Linear and type(child.weight) is nn.Parameter:
                 if id(child) not in made:
                     made[id(child)] = make_linear(impl, child)
                 setattr(parent, name, made[id(child)])

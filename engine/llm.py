@@ -29,8 +29,11 @@ from engine.loader import (
     resolve_model,
 )
 from engine.model_runner import ModelRunner
-from engine.models.select import build_model, pick_model_impl
+from engine.models.select import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
+from engine.quant.checkpoint import read_weight_scales
+from engine.quant.int8 import quantize_linears
+from engine.quant.methods import pick_impl, plan_quantization
 from engine.reasoning import attach_thinking, find_parser, split_output
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -54,17 +57,24 @@ class LLM(Intake[_RequestState, Completion]):
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
-        check_decoder_only(load_config(src))  # before anything reads the config as a decoder's
+        checkpoint_config = load_config(src)
+        check_decoder_only(checkpoint_config)  # before anything reads the config as a decoder's
         self.dtype = _pick_dtype(self.config.dtype, self.device, src, self.config.cpu_linear)
-        hf = load_hf_model(src, self.dtype)
+        self.model_impl = pick_impl(checkpoint_config, self.config.quantization, self.config.model_impl)
+        quant = plan_quantization(checkpoint_config, self.config.quantization, self.model_impl, self.device)
+        self.quantization = quant.name
+        hf = load_hf_model(src, self.dtype, quant.load_config)
         self.tokenizer = load_tokenizer(src)
         self.hf_config = hf.config
-        self.model_impl = pick_model_impl(hf.config, self.config.model_impl)
-        log.info("model %s: %s implementation", hf.config.model_type, self.model_impl)
+        log.info("model %s: %s implementation, quantization %s", hf.config.model_type, self.model_impl, quant.name)
         max_len = _model_max_len(hf.config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        if quant.native_int8:
+            scales = read_weight_scales(dense_path(src)) if quant.checkpoint_scales else None
+            count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
+            log.info("int8 weight-only: %d linear layers (%s scales)", count, "checkpoint" if scales else "absmax")
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
         del hf

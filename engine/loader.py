@@ -93,13 +93,16 @@ def load_tokenizer(model: str | ModelSource | None) -> Any:
     return AutoTokenizer.from_pretrained(dense_path(_source(model)))
 
 
-def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype) -> Any:
-    """transformers' own model on the same weights: our weight source and our test reference."""
+def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype, quantization_config: Any = None) -> Any:
+    """transformers' own model on the same weights: our weight source and our test reference.
+    ``quantization_config``: transformers' quantizer to load through (engine/quant/methods.py); None
+    loads the checkpoint as it is (quantized where its config says so)."""
     from transformers import AutoModelForCausalLM
 
     src = _source(model)
     check_decoder_only(load_config(src))
-    return AutoModelForCausalLM.from_pretrained(dense_path(src), dtype=dtype)
+    extra = {} if quantization_config is None else {"quantization_config": quantization_config}
+    return AutoModelForCausalLM.from_pretrained(dense_path(src), dtype=dtype, **extra)
 
 
 def load_config(model: str | ModelSource | None) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from engine.guided import apply_guided_masks
 from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
 from engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
+from engine.quant.weight_bytes import weight_bytes
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -58,9 +59,12 @@ class ModelRunner:
     def kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
+        if self.config.memory_budget is not None:  # what the weights' real bytes leave (int8: more)
+            left = self.config.memory_budget - weight_bytes(cast(torch.nn.Module, self.model))
+            return left if self.device.type != "cuda" else min(left, self._cuda_free_after_warmup())
         if self.device.type != "cuda":
             return _DEFAULT_CPU_KV_BYTES
-        return self._cuda_free_after_warmup()
+        return self._cuda_free_after_warmup()  # measured after loading: counts the weights' real bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The engine's KV cache; decode graphs capture its addresses, so they are captured here."""
