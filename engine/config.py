@@ -33,6 +33,11 @@ class EngineConfig:
     cpu_linear: str = "auto"
     # Think delimiters (engine/reasoning.py): auto = found in the tokenizer's vocabulary | a parser's name | none.
     reasoning_parser: str = "auto"
+    # LoRA adapters (engine/lora/): name -> peft folder; requests name one in Request.lora. At most
+    # max_loras of them in memory and in one step's batch; ranks up to max_lora_rank.
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -45,3 +50,5 @@ class EngineConfig:
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")

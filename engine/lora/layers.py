@@ -1,0 +1,90 @@
+"""Where an adapter's deltas land: the base model's linear layers, on either model path.
+
+A LoRA target is named as in transformers (``model.layers.3.self_attn.q_proj``). On the native path
+q/k/v and gate/up are fused, so a target is a column slice of a fused layer's output; on the
+transformers path it is a whole ``nn.Linear``. A forward hook on the layer (whatever runs its GEMM:
+``nn.Linear``, a packed or quantized replacement) adds each row group's delta to its output in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.lora.adapters import LoraAdapter, Target
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a target's output lies: a module (path from the model's root) and its output columns."""
+
+    module: str
+    offset: int
+    width: int
+
+
+@dataclass
+class RowGroup:
+    """One adapter's rows of the step's packed tokens: a slice when contiguous, else an index tensor."""
+
+    adapter: LoraAdapter
+    rows: slice | torch.Tensor
+
+
+@dataclass
+class LoraHook:
+    """The forward hook of one module: adds the deltas of every target that lives in its output."""
+
+    parts: list[tuple[str, int, int]] = field(default_factory=list)  # (target, offset, width)
+    groups: list[RowGroup] = field(default_factory=list)  # this step's; set by the manager
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if not self.groups:
+            return
+        x = args[0].reshape(-1, args[0].shape[-1])
+        out = output.view(-1, output.shape[-1])
+        for group in self.groups:
+            xg = None
+            for target, offset, width in self.parts:
+                w = group.adapter.modules.get(target)
+                if w is None:
+                    continue
+                if xg is None:
+                    xg = x[group.rows]
+                # Same operations, in the same order, as peft's LoRA layer: B(A(x)) * scale, then added.
+                delta = F.linear(F.linear(xg, w.a), w.b) * w.scale
+                out[group.rows, offset : offset + width] += delta
+
+
+def native_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:
+    """The Llama-family native model's q/k/v/o/gate/up/down of every layer, in transformers' naming."""
+    cfg = net.config
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    out: dict[str, tuple[Target, Site]] = {}
+    for i, layer in enumerate(net.layers):
+        attn = layer.self_attn
+        q, kv = attn.q_size, attn.kv_size
+        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        out[f"model.{a}.q_proj"] = Target(hidden, q), Site(f"{a}.qkv_proj", 0, q)
+        out[f"model.{a}.k_proj"] = Target(hidden, kv), Site(f"{a}.qkv_proj", q, kv)
+        out[f"model.{a}.v_proj"] = Target(hidden, kv), Site(f"{a}.qkv_proj", q + kv, kv)
+        out[f"model.{a}.o_proj"] = Target(q, hidden), Site(f"{a}.o_proj", 0, hidden)
+        out[f"model.{m}.gate_proj"] = Target(hidden, inter), Site(f"{m}.gate_up_proj", 0, inter)
+        out[f"model.{m}.up_proj"] = Target(hidden, inter), Site(f"{m}.gate_up_proj", inter, inter)
+        out[f"model.{m}.down_proj"] = Target(inter, hidden), Site(f"{m}.down_proj", 0, hidden)
+    return out
+
+
+def transformers_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:
+    """Every ``nn.Linear`` of the wrapped transformers model but its head (the logits are computed
+    apart, for the sampled rows only)."""
+    hf, head = net.hf, net.lm_head
+    out: dict[str, tuple[Target, Site]] = {}
+    for name, module in hf.named_modules():
+        if isinstance(module, nn.Linear) and module is not head:
+            out[name] = Target(module.in_features, module.out_features), Site(f"hf.{name}", 0, module.out_features)
+    return out
