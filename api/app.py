@@ -77,11 +77,18 @@ async def _sweep_files(state: AppState) -> None:
 
 def list_models(state: State) -> dict[str, Any]:
     serves: dict[str, set[str]] = {}
+    adapters: dict[str, str] = {}  # "base:adapter" -> base
     for w in list_workers(state.redis()):
         # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
-        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
-    return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
-                                        "serves": sorted(serves[q])} for q in sorted(serves)]}
+        queue = w.get("queue") or "default"
+        serves.setdefault(queue, set()).add(w.get("serves") or "generation")
+        for name in w.get("adapters") or []:  # LoRA adapters, named as lines name them
+            adapters[f"{queue}:{name}"] = queue
+    data = [{"id": q, "object": "model", "created": 0, "owned_by": "sluice", "serves": sorted(serves[q])}
+            for q in sorted(serves)]
+    data += [{"id": a, "object": "model", "created": 0, "owned_by": "sluice", "serves": ["generation"],
+              "parent": base} for a, base in sorted(adapters.items())]
+    return {"object": "list", "data": data}
 
 
 def healthz(state: State) -> JSONResponse:

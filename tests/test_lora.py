@@ -110,6 +110,16 @@ def test_mixed_batch_with_chunked_prefill(family: Family, impl: str) -> None:
     _run_and_compare(family, llm, _mixed(random_prompts(rng, 5, 10, 30)))
 
 
+def test_mixed_batch_through_the_triton_kernel(family: Family) -> None:
+    """The CUDA path's kernel (kernels/lora.py), here under TRITON_INTERPRET=1, in the engine."""
+    rng = random.Random(fresh_seed())
+    llm = family.llm(max_num_batched_tokens=32)
+    assert llm.lora is not None
+    llm.lora.use_kernel = True
+    _run_and_compare(family, llm, _mixed(random_prompts(rng, 5, 5, 25)), max_new=6)
+    assert all(hook.stacks for hook in llm.lora.hooks.values())  # every hooked layer went through the kernel
+
+
 def test_prefix_is_not_shared_across_adapters(family: Family) -> None:
     rng = random.Random(fresh_seed())
     prefix = random_prompts(rng, 1, 48, 48)[0]

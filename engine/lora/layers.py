@@ -36,17 +36,32 @@ class RowGroup:
 
 
 @dataclass
+class KernelStep:
+    """The step as the Triton kernel reads it: each packed row's slot (its group's index; -1: the base)."""
+
+    key: tuple[str, ...]  # the groups' adapters, in slot order
+    slots: torch.Tensor  # [T] int32
+
+
+@dataclass
 class LoraHook:
     """The forward hook of one module: adds the deltas of every target that lives in its output."""
 
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (target, offset, width)
     groups: list[RowGroup] = field(default_factory=list)  # this step's; set by the manager
+    kernel: KernelStep | None = None  # set: one Triton launch per target instead of a matmul pair per group
+    # Per target: the groups' weights stacked for the kernel, and the adapters they were stacked for.
+    stacks: dict[str, tuple[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
+        default_factory=dict)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if not self.groups:
             return
         x = args[0].reshape(-1, args[0].shape[-1])
         out = output.view(-1, output.shape[-1])
+        if self.kernel is not None:
+            self._launch(x, out, self.kernel)
+            return
         for group in self.groups:
             xg = None
             for target, offset, width in self.parts:
@@ -58,6 +73,39 @@ class LoraHook:
                 # Same operations, in the same order, as peft's LoRA layer: B(A(x)) * scale, then added.
                 delta = F.linear(F.linear(xg, w.a), w.b) * w.scale
                 out[group.rows, offset : offset + width] += delta
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, step: KernelStep) -> None:
+        from kernels.lora import lora_delta_
+
+        for target, offset, width in self.parts:
+            stack = self._stack(target, step.key)
+            if stack is not None:
+                lora_delta_(out[:, offset : offset + width], x, step.slots, *stack)
+
+    def _stack(self, target: str, key: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The groups' A and B for ``target`` as ``[L, R, K]`` and ``[L, N, R]`` (lower ranks zero-padded,
+        a group whose adapter skips the target all zeros) and their scales; None if none targets it.
+        Rebuilt only when the step's adapters change."""
+        cached = self.stacks.get(target)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        weights = [g.adapter.modules.get(target) for g in self.groups]
+        present = [w for w in weights if w is not None]
+        stack = None
+        if present:
+            r, (n, k) = max(w.a.shape[0] for w in present), (present[0].b.shape[0], present[0].a.shape[1])
+            like = present[0].a
+            a = like.new_zeros(len(weights), r, k)
+            b = like.new_zeros(len(weights), n, r)
+            scale = torch.zeros(len(weights), dtype=torch.float32, device=like.device)
+            for slot, w in enumerate(weights):
+                if w is not None:
+                    a[slot, : w.a.shape[0]] = w.a
+                    b[slot, :, : w.a.shape[0]] = w.b
+                    scale[slot] = w.scale
+            stack = (a, b, scale)
+        self.stacks[target] = (key, stack)
+        return stack
 
 
 def native_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:

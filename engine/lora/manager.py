@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.lora.adapters import AdapterCache, LoraAdapter, Target
 from engine.lora.batch import adapter_rows, as_index
-from engine.lora.layers import LoraHook, RowGroup, Site, native_targets, transformers_targets
+from engine.lora.layers import KernelStep, LoraHook, RowGroup, Site, native_targets, transformers_targets
 
 
 class LoraManager:
@@ -23,6 +24,9 @@ class LoraManager:
         self.sites: dict[str, Site] = {name: s for name, (_, s) in sites.items()}
         self.cache = AdapterCache(paths, max_loras, targets, max_rank, device, dtype)
         self.device = device
+        # CUDA: the Triton kernel (kernels/lora.py), one launch per target for every adapter's rows; else
+        # (and on CPU, where tests may turn it on under the interpreter) a matmul pair per row group.
+        self.use_kernel = device.type == "cuda"
         self.hooks: dict[str, LoraHook] = {}  # module path -> its hook
         self.hooked_targets: set[str] = set()
         self.prompt_tokens: Counter[str] = Counter()  # per adapter, of finished requests
@@ -51,8 +55,16 @@ class LoraManager:
             adapter = self.cache.get(name, keep)
             self._hook(adapter)
             groups.append(RowGroup(adapter, as_index(r, self.device)))
+        kernel = self._kernel_step(rows, sum(q_lens)) if self.use_kernel and rows else None
         for hook in self.hooks.values():
             hook.groups = groups
+            hook.kernel = kernel
+
+    def _kernel_step(self, rows: dict[str, np.ndarray], num_rows: int) -> KernelStep:
+        slots = np.full(num_rows, -1, dtype=np.int32)
+        for slot, r in enumerate(rows.values()):
+            slots[r] = slot
+        return KernelStep(tuple(rows), torch.from_numpy(slots).to(self.device))
 
     def count(self, name: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens[name] += prompt_tokens
