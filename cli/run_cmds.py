@@ -47,9 +47,9 @@ def with_worker_options(f: Any) -> Any:
     return f
 
 
-def _lora_modules(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+def _lora_modules(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str]:
     out: dict[str, str] = {}
-    for spec in value:
+    for spec in value or ():
         try:
             name, path = parse_lora_module(spec)
         except ValueError as e:
@@ -61,7 +61,7 @@ def _lora_modules(ctx: click.Context, param: click.Parameter, value: tuple[str, 
 
 
 lora_options = [
-    click.option("--lora", "lora_modules", multiple=True, metavar="NAME=PATH", callback=_lora_modules,
+    click.option("--lora", "lora_modules", multiple=True, default=None, metavar="NAME=PATH", callback=_lora_modules,
                  help="A LoRA adapter (a peft folder) lines may ask for as model 'BASE:NAME' or 'NAME'; repeatable."),
     click.option("--max-loras", type=click.IntRange(min=1), default=4, show_default=True,
                  help="Most LoRA adapters in memory, and in one step's batch."),
