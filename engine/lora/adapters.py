@@ -13,7 +13,7 @@ import math
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class LoraAdapter:
     path: str
     rank: int  # the largest module rank
     modules: dict[str, LoraWeights]  # base module name (transformers' naming) -> weights
+    fused: dict[int, Any] = field(default_factory=dict)  # per hooked layer: its targets' weights combined
 
 
 def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int, device: torch.device,
@@ -87,8 +88,8 @@ def _check_config(name: str, config: Any) -> None:
         "layer_replication": "layer replication",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
     }
-    for field, what in refused.items():
-        if getattr(config, field, None):
+    for option, what in refused.items():
+        if getattr(config, option, None):
             raise LoraError(f"LoRA adapter {name!r} uses {what}, which Sluice does not support")
     if getattr(config, "bias", "none") != "none":
         raise LoraError(f"LoRA adapter {name!r} trains biases (bias={config.bias!r}), which Sluice does not support")

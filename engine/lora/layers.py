@@ -36,6 +36,18 @@ class RowGroup:
 
 
 @dataclass
+class FusedWeights:
+    """One adapter's targets within one layer's output: A stacked ``[R, in]``, B block-diagonal
+    ``[hi - lo, R]`` over output columns ``lo:hi``, and each rank column's scale ``[R]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    lo: int
+    hi: int
+
+
+@dataclass
 class KernelStep:
     """The step as the Triton kernel reads it: each packed row's slot (its group's index; -1: the base)."""
 
@@ -63,16 +75,34 @@ class LoraHook:
             self._launch(x, out, self.kernel)
             return
         for group in self.groups:
-            xg = None
-            for target, offset, width in self.parts:
-                w = group.adapter.modules.get(target)
-                if w is None:
-                    continue
-                if xg is None:
-                    xg = x[group.rows]
-                # Same operations, in the same order, as peft's LoRA layer: B(A(x)) * scale, then added.
-                delta = F.linear(F.linear(xg, w.a), w.b) * w.scale
-                out[group.rows, offset : offset + width] += delta
+            f = self._fused(group.adapter)
+            if f is None:
+                continue
+            # peft's B(A(x)) * scale, for every target of this layer at once: the targets' A stacked,
+            # each one's scale on its own rank's columns, and B block-diagonal over their output columns.
+            t = F.linear(x[group.rows], f.a) * f.scale
+            out[group.rows, f.lo : f.hi] += F.linear(t, f.b)
+
+    def _fused(self, adapter: LoraAdapter) -> FusedWeights | None:
+        """``adapter``'s targets in this layer as one shrink and one expand (made once per adapter)."""
+        key = id(self)
+        if key in adapter.fused:
+            return adapter.fused[key]
+        parts = [(adapter.modules[t], off, width) for t, off, width in self.parts if t in adapter.modules]
+        fused = None
+        if parts:
+            like = parts[0][0].a
+            lo, hi = min(off for _, off, _ in parts), max(off + width for _, off, width in parts)
+            ranks = [w.a.shape[0] for w, _, _ in parts]
+            b = like.new_zeros(hi - lo, sum(ranks))
+            col = 0
+            for (w, off, width), r in zip(parts, ranks, strict=True):
+                b[off - lo : off - lo + width, col : col + r] = w.b
+                col += r
+            scale = torch.cat([like.new_full((r,), w.scale) for (w, _, _), r in zip(parts, ranks, strict=True)])
+            fused = FusedWeights(torch.cat([w.a for w, _, _ in parts]), b, scale, lo, hi)
+        adapter.fused[key] = fused
+        return fused
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, step: KernelStep) -> None:
         from kernels.lora import lora_delta_
