@@ -152,18 +152,21 @@ def test_bad_adapters_fail_their_requests_only(family: Family, tmp_path: Path) -
     make_adapter(family.base, dora, seed=9, r=4, targets=["q_proj"])
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    corrupt = make_adapter(family.base, tmp_path / "corrupt", seed=9, r=2, targets=["q_proj"])
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
     paths = {"ok": str(family.adapters["qv-r4"]), "wrong-base": str(wrong_base), "dora": str(dora),
-             "missing": str(tmp_path / "nowhere")}
+             "missing": str(tmp_path / "nowhere"), "corrupt": str(corrupt)}
     llm = LLM(str(family.base), dtype="float32", kv_cache_memory=16 << 20, lora_modules=paths, max_lora_rank=2)
     p = [5, 6, 7, 8]
     reqs = [Request(name, prompt_token_ids=p, params=SamplingParams(max_tokens=4), lora=name)
-            for name in ["ok", "wrong-base", "dora", "missing", "unknown"]]
+            for name in ["ok", "wrong-base", "dora", "missing", "corrupt", "unknown"]]
     reqs.append(Request("base", prompt_token_ids=p, params=SamplingParams(max_tokens=4)))
     out = {c.request_id: c for c in llm.generate(reqs)}
     assert "rank 4 > max_lora_rank 2" in (out["ok"].error or "")
     assert "another base model" in (out["wrong-base"].error or "")
     assert "DoRA" in (out["dora"].error or "")
     assert "no adapter_config.json" in (out["missing"].error or "")
+    assert "cannot read" in (out["corrupt"].error or "")
     assert "unknown LoRA adapter 'unknown'" in (out["unknown"].error or "")
     assert out["base"].error is None
     assert out["base"].token_ids == hf_greedy(family.refs[None], p, 4)
