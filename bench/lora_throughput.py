@@ -4,6 +4,7 @@ adapters (rank 16, every q/k/v/o/gate/up/down), against the base model alone, on
     python bench/lora_throughput.py                                    # float32, base + 1, 4, 16 adapters
     python bench/lora_throughput.py --num-prompts 16 --max-tokens 16 --tag lora-smoke   # a quick smoke run
     python bench/lora_throughput.py --dtype bfloat16 --adapters 0,4
+    python bench/lora_throughput.py --vllm                             # and vLLM's CPU build, same adapters
 
 Each configuration runs in a fresh process of its own (this script, ``--child``), greedy, with EOS
 ignored so that every run generates exactly num_prompts x max_tokens tokens (random adapters change when
@@ -85,35 +86,49 @@ def child(args: argparse.Namespace) -> None:
     print(f"{len(adapters)} adapters: {tokens / secs:.1f} tok/s ({tokens} tokens, {secs:.1f}s)", flush=True)
 
 
-def run_child(args: argparse.Namespace, workload: Path, k: int) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, workload: Path, k: int, system: str = "sluice") -> dict[str, Any]:
+    """One configuration in a fresh process: Sluice (this script) or vLLM (bench/vllm_lora_run.py, its venv)."""
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log, result = logs / f"{args.tag}-{k}.log", OUT / "tmp" / f"{args.tag}-{k}.json"
+    log, result = logs / f"{args.tag}-{system}-{k}.log", OUT / "tmp" / f"{args.tag}-{system}-{k}.json"
     result.parent.mkdir(exist_ok=True)
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child-adapters", str(k), "--workload", str(workload), "--result", str(result),
-           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
+    common = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
+    if system == "vllm":
+        import throughput  # bench/throughput.py: vLLM's venv and environment, as its own runs use them
+
+        why = throughput.ensure_vllm(args.vllm_venv, logs / "vllm_env.log")
+        if why:
+            return {"system": system, "adapters": k, "error": why}
+        cmd = [str(args.vllm_venv / "bin" / "python"), str(HERE / "vllm_lora_run.py"), str(workload), str(result),
+               "--adapters", str(k), *common]
+        env = throughput.vllm_env(args.vllm_venv)
+    else:
+        cmd = [sys.executable, __file__, "--child-adapters", str(k), "--workload", str(workload), "--result",
+               str(result), *common]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=f,
-                            stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0 or not result.exists():
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-        return {"adapters": k, "error": f"exit {rc}; log {log}: {tail}"}
-    return json.loads(result.read_text())
+        return {"system": system, "adapters": k, "error": f"exit {rc}; log {log}: {tail}"}
+    return {"system": system, **json.loads(result.read_text())}
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    base = next((r.get("tokens_per_s") for r in rows if r["adapters"] == 0), None)
+    """The table; each system's ratio is to its own base-alone run."""
+    base = {r["system"]: r.get("tokens_per_s") for r in rows if r["adapters"] == 0}
     lines = [f"LoRA throughput: {args.num_prompts} prompts x {args.max_tokens} tokens (chat workload, EOS ignored), "
              f"rank {args.rank}, {args.dtype}, max_num_seqs {args.max_num_seqs}", "",
-             "| lines over | tokens/s | vs base |", "|---|---:|---:|"]
+             "| system | lines over | tokens/s | vs its base alone |", "|---|---|---:|---:|"]
     for r in rows:
         what = "base alone" if r["adapters"] == 0 else f"{r['adapters']} adapter{'s' if r['adapters'] > 1 else ''}"
         if "error" in r:
-            lines.append(f"| {what} | failed: {r['error']} | |")
+            lines.append(f"| {r['system']} | {what} | failed: {r['error']} | |")
             continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {what} | {r['tokens_per_s']:.1f} | {ratio} |")
+        b = base.get(r["system"])
+        ratio = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
+        lines.append(f"| {r['system']} | {what} | {r['tokens_per_s']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,6 +143,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes")
     p.add_argument("--tag", default="lora-throughput")
+    p.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (its LoRA support) on the same adapters")
+    p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".vllm-venv")))
     # One configuration's run (what the parent starts in a fresh process):
     p.add_argument("--child-adapters", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", type=Path, default=None, help=argparse.SUPPRESS)
@@ -144,9 +161,10 @@ def main() -> None:
     ids = workloads.build("chat", load_tokenizer(args.model), args.num_prompts)
     workload = OUT / "tmp" / f"{args.tag}-workload.json"
     workload.parent.mkdir(parents=True, exist_ok=True)
-    workload.write_text(json.dumps({"model": args.model, "prompt_token_ids": ids, "max_tokens": args.max_tokens,
-                                    "adapters": adapters, "rank": args.rank}))
-    rows = [run_child(args, workload, k) for k in counts]
+    workload.write_text(json.dumps({"model": args.model, "model_dir": model_dir, "prompt_token_ids": ids,
+                                    "max_tokens": args.max_tokens, "adapters": adapters, "rank": args.rank}))
+    systems = ["sluice", "vllm"] if args.vllm else ["sluice"]
+    rows = [run_child(args, workload, k, system) for system in systems for k in counts]
     (OUT / f"{args.tag}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
     table = markdown(rows, args)
     (OUT / f"{args.tag}.md").write_text(table)
