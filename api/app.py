@@ -27,7 +27,7 @@ from api.state import AppState, State, require_key
 from api.validation import max_line_bytes
 from jobs.connection import is_cluster
 from jobs.settings import load
-from jobs.store import list_workers, served_kinds
+from jobs.store import list_workers
 
 FILE_SWEEP_EVERY = 60.0  # seconds between deletions of expired files
 
@@ -78,14 +78,20 @@ async def _sweep_files(state: AppState) -> None:
 def list_models(state: State) -> dict[str, Any]:
     serves: dict[str, set[str]] = {}
     quantization: dict[str, set[str]] = {}
+    adapters: dict[str, str] = {}  # "base:adapter" -> base
     for w in list_workers(state.redis()):
+        queue = w.get("queue") or "default"
         # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
-        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+        serves.setdefault(queue, set()).add(w.get("serves") or "generation")
         # the weights' quantization each worker loaded (engine/quant/methods.py; older workers: none)
-        quantization.setdefault(w.get("queue") or "default", set()).add(w.get("quantization") or "none")
-    return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
-                                        "serves": sorted(serves[q]), "quantization": sorted(quantization[q])}
-                                       for q in sorted(serves)]}
+        quantization.setdefault(queue, set()).add(w.get("quantization") or "none")
+        for name in w.get("adapters") or []:  # LoRA adapters, named as lines name them
+            adapters[f"{queue}:{name}"] = queue
+    data = [{"id": q, "object": "model", "created": 0, "owned_by": "sluice", "serves": sorted(serves[q]),
+             "quantization": sorted(quantization[q])} for q in sorted(serves)]
+    data += [{"id": a, "object": "model", "created": 0, "owned_by": "sluice", "serves": ["generation"],
+              "parent": base} for a, base in sorted(adapters.items())]
+    return {"object": "list", "data": data}
 
 
 def healthz(state: State) -> JSONResponse:

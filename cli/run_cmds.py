@@ -25,6 +25,7 @@ from cli.common import (
 )
 from cli.options import engine_kwargs, env_option, with_engine_options
 from jobs.connection import EmbeddedServer, stop_server
+from jobs.keys import parse_lora_module
 from jobs.settings import load
 from jobs.store import served_queues
 
@@ -46,6 +47,35 @@ def with_worker_options(f: Any) -> Any:
     return f
 
 
+def _lora_modules(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in value or ():
+        try:
+            name, path = parse_lora_module(spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        if name in out:
+            raise click.BadParameter(f"LoRA adapter {name!r} given twice")
+        out[name] = path
+    return out
+
+
+lora_options = [
+    click.option("--lora", "lora_modules", multiple=True, default=None, metavar="NAME=PATH", callback=_lora_modules,
+                 help="A LoRA adapter (a peft folder) lines may ask for as model 'BASE:NAME' or 'NAME'; repeatable."),
+    click.option("--max-loras", type=click.IntRange(min=1), default=4, show_default=True,
+                 help="Most LoRA adapters in memory, and in one step's batch."),
+    click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True,
+                 help="Highest LoRA rank accepted (a higher one fails its lines)."),
+]
+
+
+def with_lora_options(f: Any) -> Any:
+    for option in reversed(lora_options):
+        f = option(f)
+    return f
+
+
 def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
     from worker import run_worker  # torch and the engine load only for the commands that run one
 
@@ -58,19 +88,23 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @click.command("worker")
 @with_engine_options
 @with_worker_options
+@with_lora_options
 @env_option("--worker-id", envvar="SLUICE_WORKER_ID", default=None, help="[default: <host>/<device>]")
 @click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
               help="Stop after this many seconds with nothing to do.")
 @job_server_errors
 def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-               kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-               memory_budget: int | None,
-               queue: str | None, metrics_port: int | None, grace_period: float, worker_id: str | None, exit_when_idle: float | None) -> None:
+               kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
+               quantization: str, memory_budget: int | None, queue: str | None, metrics_port: int | None,
+               grace_period: float, lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
+               worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine()
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget)
+    if lora_modules:
+        engine.update(lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank)
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle)
     click.echo(json.dumps(asdict(report)), err=True)

@@ -20,6 +20,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
+    lora: str | None = None  # the adapter whose KV this is: the same tokens under another adapter differ
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -64,7 +65,8 @@ class BlockManager:
         self._hash_blocks(seq, (seq.num_tokens - 1) // bs)
         for i, h in enumerate(seq.block_hashes[: (seq.num_tokens - 1) // bs]):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            block = None if block_id is None else self.blocks[block_id]
+            if block is None or block.lora != seq.lora or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
@@ -121,7 +123,8 @@ class BlockManager:
         """Extend ``seq.block_hashes`` to its first ``num_full_blocks`` blocks (token ids never change)."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full_blocks):
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            # A LoRA adapter's chain starts from its name: its KV is not the base's for the same tokens.
+            prev = seq.block_hashes[-1] if seq.block_hashes else (None if seq.lora is None else hash(("lora", seq.lora)))
             seq.block_hashes.append(chain_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -134,6 +137,7 @@ class BlockManager:
             if block.hash is not None or h in self.hash_to_block:  # published, or another block has it
                 continue
             block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.lora = seq.lora
             self.hash_to_block[h] = block.block_id
 
     def _take(self, block_id: int) -> None:
@@ -147,4 +151,4 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.lora = None, (), None

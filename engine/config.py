@@ -40,6 +40,11 @@ class EngineConfig:
     # Bytes for the weights and the KV cache together: the KV cache gets what the loaded weights leave
     # (their real bytes, so quantized weights leave more). None = kv_cache_memory or the device's default.
     memory_budget: int | None = None
+    # LoRA adapters (engine/lora/): name -> peft folder; requests name one in Request.lora. At most
+    # max_loras of them in memory and in one step's batch; ranks up to max_lora_rank.
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -54,3 +59,5 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")

@@ -28,6 +28,7 @@ from engine.loader import (
     load_tokenizer,
     resolve_model,
 )
+from engine.lora.manager import LoraManager
 from engine.model_runner import ModelRunner
 from engine.models.select import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
@@ -71,6 +72,8 @@ class LLM(Intake[_RequestState, Completion]):
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        # Before the linear layers are replaced: the adapters' targets are read from them.
+        self.lora = self._lora_manager(cast(torch.nn.Module, net))
         if quant.native_int8:
             scales = read_weight_scales(dense_path(src)) if quant.checkpoint_scales else None
             count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
@@ -79,6 +82,7 @@ class LLM(Intake[_RequestState, Completion]):
                                          self.dtype)
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)
+        self.runner.lora = self.lora
         num_blocks = self._num_blocks(max_len)
         started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
@@ -136,6 +140,7 @@ class LLM(Intake[_RequestState, Completion]):
             prompt_ids = self._prompt_ids(request)
             self._check_token_ids(request)
             self._check_fits(request, prompt_ids)
+            self._check_lora(request)
             grammar = self.guided.compile(request.params)
         except ValueError as e:
             self._reject(_error_completion(request, str(e), arrival))
@@ -181,6 +186,8 @@ class LLM(Intake[_RequestState, Completion]):
             rid = seq.request_id
             if last[rid] == i and all(s.is_finished for s in self.requests[rid].seqs):
                 done.append(self._completion(self.requests.pop(rid)))
+                if self.lora is not None and seq.lora is not None:
+                    self.lora.count(seq.lora, done[-1].usage.prompt_tokens, done[-1].usage.completion_tokens)
         return done
 
     def generate(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None,
@@ -243,10 +250,23 @@ class LLM(Intake[_RequestState, Completion]):
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) = {need} "
                              f"exceeds max_model_len {self.max_model_len}")
 
+    def _check_lora(self, request: Request) -> None:
+        if request.lora is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora!r} requested, but this engine serves none")
+        self.lora.check(request.lora)  # a LoraError (a ValueError) fails this request only
+
+    def _lora_manager(self, net: torch.nn.Module) -> LoraManager | None:
+        if not self.config.lora_modules:
+            return None
+        return LoraManager(net, self.model_impl, self.config.lora_modules, self.config.max_loras,
+                           self.config.max_lora_rank, self.device, self.dtype)
+
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
         p = request.params
         seq = Sequence(next(self._seq_ids), request.request_id, index, list(prompt_ids), len(prompt_ids), p,
-                       arrival_time=arrival)
+                       arrival_time=arrival, lora=request.lora)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.seed is not None:
             # On the logits' device: the sampler draws there, and a generator serves one device.

@@ -15,6 +15,7 @@ from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
 from engine.graph_runner import DecodeGraphRunner
 from engine.guided import apply_guided_masks
+from engine.lora.manager import LoraManager
 from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
 from engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
@@ -51,6 +52,7 @@ class ModelRunner:
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.decode_runner: DecodeGraphRunner | None = None
         self.graph_reserve_bytes = 0  # what KV sizing left for the decode graphs (CUDA)
+        self.lora: LoraManager | None = None  # LoRA adapters: each step tells it which rows take which
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -69,7 +71,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The engine's KV cache; decode graphs capture its addresses, so they are captured here."""
         self._allocate(num_blocks)
-        if self._pad_decode():
+        if self._pad_decode() and self.lora is None:  # a graph would freeze one step's adapter rows
             self.decode_runner = self._decode_runner(num_blocks)
             if self._capture_graphs():
                 self.decode_runner.capture()  # a failed capture is logged and leaves the steps eager
@@ -203,6 +205,8 @@ class ModelRunner:
         meta = _to_device(meta, self.device)
         if self.backend.caps.host_prepare:
             meta.groups = self.backend.prepare(meta)
+        if self.lora is not None:
+            self.lora.begin_step([s.lora for s in seqs], batch.num_new_tokens)
         input_ids = _h2d(torch.from_numpy(ids), self.device)
         pos_t = _h2d(torch.from_numpy(positions), self.device)
         last_rows = _h2d(torch.from_numpy(cu[1:][sampling] - 1), self.device)

@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None  # chat: function tools, passed to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # chat: more template options (enable_thinking, ...)
+    lora: str | None = None  # a LoRA adapter the engine was started with (EngineConfig.lora_modules); None: the base
 
 
 @dataclass

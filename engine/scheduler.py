@@ -130,6 +130,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and not self._lora_fits(seq.lora):
+                break  # max_loras adapters are running: this one waits for one of them to finish
             hits = bm.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.can_admit(seq, hits, num_new):
@@ -141,6 +143,10 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+
+    def _lora_fits(self, name: str) -> bool:
+        running = {s.lora for s in self.running if s.lora is not None}
+        return name in running or len(running) < self.config.max_loras
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free_seq(seq)

@@ -33,6 +33,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when seeded
     guide: Any = None  # engine.guided.Guide when the request asks for structured output
     think: Any = None  # engine.reasoning.ThinkState for a chat request to a reasoning model
+    lora: str | None = None  # the LoRA adapter's name; None: the base model
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -25,11 +25,33 @@ DEFAULT_QUEUE = "default"  # the queue of jobs that name no model
 
 
 def queue_name(model: str | None) -> str:
-    """The name a model's jobs are queued under: the model string as given, None (or "") -> "default".
-    The one place that rule is spelled: a stored model (already a queue name) comes back unchanged."""
-    name = model or DEFAULT_QUEUE
+    """The name a model's jobs are queued under: the model string as given, None (or "") -> "default";
+    a LoRA adapter's ``"base:adapter"`` -> the base's queue (``split_model``). The one place that rule is
+    spelled: a stored model (already a queue name) comes back unchanged."""
+    name = split_model(model)[0] if model else DEFAULT_QUEUE
     # Braces would be read as a hash tag by Redis Cluster.
     return name.replace("{", "(").replace("}", ")")
+
+
+def split_model(model: str) -> tuple[str, str | None]:
+    """``"base:adapter"`` -> (base, adapter): a LoRA adapter served by the workers of ``base``; anything
+    else -> (model, None). The adapter is what follows the last colon, when that is a plain name (no
+    path separator), so a Windows drive letter or a path with a colon stays the base model."""
+    base, sep, adapter = model.rpartition(":")
+    if not sep or not base or not adapter or any(c in adapter for c in "/\\") or len(base) == 1:
+        return model, None
+    return base, adapter
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """A worker's ``--lora NAME=PATH`` -> (name, path); a ValueError says what is wrong."""
+    name, sep, path = spec.partition("=")
+    name = name.strip()
+    if not sep or not name or not path.strip():
+        raise ValueError(f"--lora takes NAME=PATH, not {spec!r}")
+    if any(c in name for c in ":/\\{} "):
+        raise ValueError(f"LoRA adapter name {name!r} may not contain ':', '/', '\\', braces or spaces")
+    return name, path.strip()
 
 
 def check_batch_id(batch_id: str) -> str:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from engine.models.base import UnsupportedModelError
+from jobs.keys import parse_lora_module
 from jobs.units import parse_size
 from worker.isolation import EngineSick
 from worker.run import run_worker
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
+    p.add_argument("--lora", action="append", type=_lora, default=None, metavar="NAME=PATH",
+                   help="a LoRA adapter lines may ask for as model BASE:NAME or NAME (repeatable)")
+    p.add_argument("--max-loras", type=int)
+    p.add_argument("--max-lora-rank", type=int)
     # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
     p.add_argument("--lookahead", type=int)
     p.add_argument("--max-deliveries", type=int)
@@ -35,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--exit-when-idle", type=float, help="seconds")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    given = {k: v for k, v in vars(a).items() if v is not None and k != "model"}
+    given = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "lora")}
+    if a.lora:
+        given["lora_modules"] = dict(a.lora)
     try:
         report = run_worker(a.model, **given)
     except UnsupportedModelError as e:  # its waiting jobs were failed with the reason
@@ -45,6 +52,13 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("worker").error("exiting: %s; its jobs were handed back to the queue", e)
         sys.exit(EXIT_ENGINE_SICK)
     print(json.dumps(asdict(report)))
+
+
+def _lora(spec: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

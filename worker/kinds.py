@@ -11,6 +11,7 @@ from engine.outputs import Completion, Request
 from jobs.embeddings import encode_base64
 from jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
 from worker.convert import completion_to_result, job_to_request
+from worker.lora import job_adapter
 
 GENERATION, EMBEDDING = "generation", "embedding"
 
@@ -33,7 +34,9 @@ def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingReques
     if kind == EMBEDDING:
         assert job.input is not None
         return EmbeddingRequest(rid, job.input, job.dimensions)
-    return job_to_request(job, rid, engine.vocab_size)
+    req = job_to_request(job, rid, engine.vocab_size)
+    req.lora = job_adapter(job.model, engine)
+    return req
 
 
 def probe_request(probe: Request, engine: Any) -> Request | EmbeddingRequest:

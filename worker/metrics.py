@@ -36,6 +36,8 @@ class WorkerMetrics:
                                     "retried)", list(labels), registry=self.registry).labels(**labels)
         self.tokens = Counter("sluice_generated_tokens", "Generated tokens", list(labels),
                               registry=self.registry).labels(**labels)
+        self.adapter_tokens = Counter("sluice_lora_generated_tokens", "Generated tokens per LoRA adapter",
+                                      [*labels, "adapter"], registry=self.registry)
         self.jobs = Counter("sluice_jobs", "Job outcomes written by this worker", [*labels, "status"],
                             registry=self.registry)
         self.latency = Histogram("sluice_job_latency_seconds", "Submission to result", list(labels),
@@ -54,11 +56,14 @@ class WorkerMetrics:
             self._server.server_close()
             self._server = None
 
-    def job_done(self, status: str, tokens: int, submitted: float | None, started: float | None) -> None:
+    def job_done(self, status: str, tokens: int, submitted: float | None, started: float | None,
+                 adapter: str | None = None) -> None:
         now = time.time()
         self.jobs.labels(**self._labels, status=status).inc()
         if tokens:
             self.tokens.inc(tokens)
+            if adapter is not None:
+                self.adapter_tokens.labels(**self._labels, adapter=adapter).inc(tokens)
         if submitted:
             self.latency.observe(max(0.0, now - submitted))
         if started:

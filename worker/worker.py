@@ -25,6 +25,7 @@ from worker.drain import Draining
 from worker.held import Held
 from worker.isolation import EngineSick, Isolation
 from worker.kinds import engine_request, engine_result, probe_request, serves
+from worker.lora import adapter_names, job_adapter
 from worker.metrics import WorkerMetrics
 from worker.options import EngineFactory, WorkerOptions, WorkerReport
 from worker.puller import Puller, default_lookahead
@@ -70,7 +71,8 @@ class Worker(Draining):
         llm = self.llm
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
-                "serves": serves(llm), "quantization": getattr(llm, "quantization", "none")}
+                "serves": serves(llm), "quantization": getattr(llm, "quantization", "none"),
+                "adapters": adapter_names(llm)}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -200,7 +202,8 @@ class Worker(Draining):
         self.puller.observe(p.n * -(-(u.prompt_tokens + new) // self.block_size))
         self.session.put(h.d, res)
         self.report.tokens += u.completion_tokens
-        self.metrics.job_done(res.status, u.completion_tokens, h.job.created_at, h.pulled_at)
+        self.metrics.job_done(res.status, u.completion_tokens, h.job.created_at, h.pulled_at,
+                              job_adapter(h.job.model, self.llm))
 
     def _step_failed(self, e: Exception) -> None:
         self.report.step_failures += 1

@@ -1,0 +1,84 @@
+"""The engine's LoRA state: the registered adapters, their hooks in the model, the step's row groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.lora.adapters import AdapterCache, LoraAdapter, Target
+from engine.lora.batch import adapter_rows, as_index
+from engine.lora.layers import KernelStep, LoraHook, RowGroup, Site, native_targets, transformers_targets
+
+
+class LoraManager:
+    def __init__(self, net: nn.Module, impl: str, paths: dict[str, str], max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        """Built before anything replaces the model's linear layers: the targets' widths are read here."""
+        self.net = net
+        sites = native_targets(net) if impl == "native" else transformers_targets(net)
+        targets: dict[str, Target] = {name: t for name, (t, _) in sites.items()}
+        self.sites: dict[str, Site] = {name: s for name, (_, s) in sites.items()}
+        self.cache = AdapterCache(paths, max_loras, targets, max_rank, device, dtype)
+        self.device = device
+        # CUDA: the Triton kernel (kernels/lora.py), one launch per target for every adapter's rows; else
+        # (and on CPU, where tests may turn it on under the interpreter) a matmul pair per row group.
+        self.use_kernel = device.type == "cuda"
+        self.hooks: dict[str, LoraHook] = {}  # module path -> its hook
+        self.hooked_targets: set[str] = set()
+        self.prompt_tokens: Counter[str] = Counter()  # per adapter, of finished requests
+        self.completion_tokens: Counter[str] = Counter()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.cache.paths)
+
+    @property
+    def max_loras(self) -> int:
+        return self.cache.capacity
+
+    def check(self, name: str) -> None:
+        """Raise LoraError unless requests may name ``name`` (registered, and loads against the model)."""
+        adapter = self.cache.load_once(name)
+        if adapter is not None:
+            self._hook(adapter)
+
+    def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
+        """Tell the hooks which packed rows take which adapter in the coming forward pass."""
+        rows = adapter_rows(names, q_lens)
+        keep = set(rows)
+        groups = []
+        for name, r in rows.items():
+            adapter = self.cache.get(name, keep)
+            self._hook(adapter)
+            groups.append(RowGroup(adapter, as_index(r, self.device)))
+        kernel = self._kernel_step(rows, sum(q_lens)) if self.use_kernel and rows else None
+        for hook in self.hooks.values():
+            hook.groups = groups
+            hook.kernel = kernel
+
+    def _kernel_step(self, rows: dict[str, np.ndarray], num_rows: int) -> KernelStep:
+        slots = np.full(num_rows, -1, dtype=np.int32)
+        for slot, r in enumerate(rows.values()):
+            slots[r] = slot
+        return KernelStep(tuple(rows), torch.from_numpy(slots).to(self.device))
+
+    def count(self, name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens[name] += prompt_tokens
+        self.completion_tokens[name] += completion_tokens
+
+    def _hook(self, adapter: LoraAdapter) -> None:
+        """Make sure every layer ``adapter`` targets has a hook that knows the target's columns."""
+        for target in adapter.modules:
+            if target in self.hooked_targets:
+                continue
+            site = self.sites[target]
+            hook = self.hooks.get(site.module)
+            if hook is None:
+                hook = self.hooks[site.module] = LoraHook()
+                self.net.get_submodule(site.module).register_forward_hook(hook)
+            hook.parts.append((target, site.offset, site.width))
+            self.hooked_targets.add(target)
