@@ -253,6 +253,30 @@ class Supervised:
             p.wait()
 
 
+def test_only_a_job_that_breaks_a_working_engine_alone_is_the_culprit() -> None:
+    """worker/isolation.py's rules, when the probe after a failure fails too (the engine is broken)."""
+    from worker.isolation import Isolation
+
+    boom = RuntimeError("device-side assert")
+    iso: Isolation[str] = Isolation()
+    iso.step_failed(["a", "poison"])  # a shared step broke the engine: the first job alone fails on it too
+    assert iso.next_alone() == "a"
+    iso.failed_alone("a", boom)
+    assert iso.next_probe() is not None and iso.culprit() is None  # "a" is not to blame
+    fresh: Isolation[str] = Isolation()  # the next worker, holding the jobs of that sick episode
+    fresh.wary.extend(["a", "poison"])
+    assert fresh.next_alone() is None  # a fresh engine is not known to work: the probe first
+    assert fresh.next_probe() is not None and fresh.next_alone() is None
+    assert fresh.probe_passed() is None
+    assert fresh.next_alone() == "a"
+    fresh.discard("a")  # completed
+    fresh.step_ok()
+    assert fresh.next_probe() is None and fresh.next_alone() == "poison"
+    fresh.failed_alone("poison", boom)
+    culprit = fresh.culprit()
+    assert fresh.next_probe() is not None and culprit is not None and culprit.held == "poison"
+
+
 def test_a_request_that_breaks_the_engine_ends_failed_and_the_rest_complete(r: redis.Redis, tiny_model_dir: Path,
                                                                             tmp_path: Path) -> None:
     """Two worker processes; one job of the batch breaks any engine that runs it. The first worker to
