@@ -6,12 +6,18 @@ paused and the job server restarts; then every promise is checked.
 
 During the batch (``--jobs`` jobs, mixed priorities and lengths, ``--workers`` workers on ``--model``):
 kill -9 a worker holding jobs ``--kills`` times and restart it, restart the Valkey server once (AOF
-on, kill -9), cancel another batch, and last SIGSTOP a worker holding jobs for longer than the
-heartbeat TTL and SIGCONT it. Each fault lands at a point of the batch's progress (jobs done), and the
-workers are frozen while a holder is chosen, so the run means the same on a fast machine as on a slow
-one. Afterwards: every job of the batch has exactly one outcome, the counters equal the results
-stream, nothing is left pending, nothing was dead-lettered (no job here fails on its own), the batch
-is ``completed`` and the cancelled one ``cancelled``. Prints the seed, and a JSON summary as its last
+on, kill -9), cancel another batch, stall the results disk (every write of a results chunk hangs)
+until a number of further results were written meanwhile, submit a batch holding one request that
+breaks the engine of any worker that runs it (as a CUDA device-side assert does; the workers exit
+"engine sick" and are restarted, as a supervisor would), and last SIGSTOP a worker holding jobs for
+longer than the heartbeat TTL and SIGCONT it. The workers run bench/faults.py, which injects the
+disk and engine faults, and move results to files after a few dozen. Each fault lands at a point of
+the batch's progress (jobs done), and the workers are frozen while a holder is chosen, so the run
+means the same on a fast machine as on a slow one. Afterwards: every job of the batch has exactly one
+outcome, the counters equal the results (files and stream), nothing is left pending, nothing was
+dead-lettered (no job here fails on its own), the batch is ``completed`` and the cancelled one
+``cancelled``; in the poisoned batch only the poison failed, dead-lettered as the request that broke
+the engine alone, and every other job completed. Prints the seed, and a JSON summary as its last
 line; exits 1 on a broken promise. Uses ``SLUICE_HOME`` (a temporary one if unset).
 """
 
@@ -39,11 +45,14 @@ import redis  # noqa: E402
 from jobs import keys  # noqa: E402
 from jobs.connection import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
 from jobs.schemas import Result  # noqa: E402
-from jobs.store import cancel_batch, dead_letters, get_batch, pending_under  # noqa: E402
+from jobs.store import cancel_batch, dead_letters, get_batch, pending_under, read_results  # noqa: E402
 from jobs.submit import submit  # noqa: E402
+from worker.__main__ import EXIT_ENGINE_SICK  # noqa: E402
 
 QUEUE = "chaos"
 HEARTBEAT_TTL = 2.0
+BREAKER = "CHAOS-BREAKS-THE-ENGINE"  # the prompt text that breaks an engine (bench/faults.py)
+SPILL_AT, SPILL_KEEP = 8, 16  # results move to files once a batch holds more than 24 in Redis
 WORDS = ["sluice", "river", "gate", "water", "stone", "mill", "wheel", "bank", "flow", "lock"]
 
 
@@ -57,11 +66,32 @@ def lines(n: int, rng: random.Random, max_tokens: tuple[int, int], prefix: str) 
             for i in range(n)]
 
 
+def poisoned_lines(n: int, rng: random.Random) -> list[str]:
+    """``n`` ordinary jobs and, among them, one whose prompt breaks the engine (custom_id "poison")."""
+    out = lines(n, rng, (4, 16), "p")
+    out.insert(rng.randrange(n + 1), json.dumps({"custom_id": "poison", "prompt": f"water {BREAKER} stone",
+                                                 "max_tokens": 8, "ignore_eos": True}))
+    return out
+
+
+def check_poisoned(r: redis.Redis, batch_id: str, total: int) -> dict[str, int]:
+    """Only the poison failed, dead-lettered as the request that broke the engine alone."""
+    outcomes = check(r, batch_id, total, "completed")
+    dead = dead_letters(r, batch_id)
+    if outcomes != {"completed": total - 1, "failed": 1} or [d["custom_id"] for d in dead] != ["poison"]:
+        raise Broken(f"{batch_id}: outcomes {outcomes}, dead letters {[d['custom_id'] for d in dead]}")
+    if "the engine failed while running this request alone" not in dead[0]["error"]:
+        raise Broken(f"the poison failed with another error: {dead[0]['error']}")
+    return outcomes
+
+
 class Workers:
-    def __init__(self, model: str, n: int, logs: Path, max_num_seqs: int) -> None:
-        self.model, self.logs, self.max_num_seqs = model, logs, max_num_seqs
+    def __init__(self, model: str, n: int, logs: Path, max_num_seqs: int, max_deliveries: int) -> None:
+        self.model, self.logs, self.max_num_seqs, self.max_deliveries = model, logs, max_num_seqs, max_deliveries
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.log_at_start: dict[str, int] = {}  # where each worker's latest start begins in its log
+        self.slow_disk = logs / "slow-disk"  # while it exists, results chunk writes stall (bench/faults.py)
+        self.sick_exits = 0
         for i in range(n):
             self.start(f"w{i}")
 
@@ -77,11 +107,30 @@ class Workers:
     def start(self, wid: str) -> None:
         log = self.logs / f"{wid}.log"
         self.log_at_start[wid] = log.stat().st_size if log.exists() else 0
-        cmd = [sys.executable, "-m", "worker", "--model", self.model, "--queue", QUEUE, "--dtype", "float32",
-               "--worker-id", wid, "--heartbeat-ttl", str(HEARTBEAT_TTL), "--max-deliveries", "10",
+        cmd = [sys.executable, str(ROOT / "bench" / "faults.py"), "--model", self.model, "--queue", QUEUE, "--dtype", "float32",
+               "--worker-id", wid, "--heartbeat-ttl", str(HEARTBEAT_TTL), "--max-deliveries", str(self.max_deliveries),
                "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory", str(4 << 20)]
         out = open(self.logs / f"{wid}.log", "ab")  # noqa: SIM115 - the child owns it
-        self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "CHAOS_BREAK_ON": BREAKER, "CHAOS_SLOW_DISK": str(self.slow_disk),
+               "CHAOS_SPILL_KEEP": str(SPILL_KEEP), "SLUICE_RESULTS_SPILL": str(SPILL_AT)}
+        self.procs[wid] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def revive(self) -> None:
+        """Restart the workers that exited "engine sick", as a supervisor (compose, systemd) would; any
+        other exit of a worker is a broken promise."""
+        for wid, p in self.procs.items():
+            code = p.poll()
+            if code is None:
+                continue
+            if code != EXIT_ENGINE_SICK:
+                raise Broken(f"worker {wid} exited {code} by itself")
+            self.sick_exits += 1
+            self.start(wid)
+
+    def stalled(self) -> list[str]:
+        """The workers whose results disk stalls now (bench/faults.py marks each by its pid)."""
+        pids = {int(p.name.rsplit(".", 1)[1]) for p in self.logs.glob(f"{self.slow_disk.name}.held.*")}
+        return [wid for wid, p in self.procs.items() if p.pid in pids and p.poll() is None]
 
     def alive(self, wid: str) -> bool:
         return self.procs[wid].poll() is None
@@ -103,7 +152,7 @@ class Workers:
                 p.wait()
 
     def stop(self) -> dict[str, int | None]:
-        wait_for(lambda: all(self.up(w) for w in self.procs), 300, "every worker up before stopping them")
+        wait_for(lambda: all(self.up(w) for w in self.procs), 300, "every worker up before stopping them", self.revive)
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
@@ -118,9 +167,12 @@ class Workers:
         return codes
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, tick: Callable[[], None] | None = None) -> Any:
+    """``cond()`` once true; ``tick()`` before each look (the workers' supervisor)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if tick is not None:
+            tick()
         try:
             got = cond()
         except (redis.ConnectionError, redis.TimeoutError):
@@ -132,8 +184,9 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def check(r: redis.Redis, batch_id: str, total: int, status: str) -> dict[str, int]:
-    """Exactly one outcome per job, counters equal to the results stream, nothing pending."""
-    results = [Result.model_validate_json(f["r"]) for _, f in r.xrange(keys.results(batch_id))]
+    """Exactly one outcome per job, counters equal to the results (in files, then the stream), nothing
+    pending."""
+    results: list[Result] = read_results(r, batch_id, "0", 2 * total + 1).results
     idxs = Counter(x.idx for x in results)
     if sorted(idxs) != list(range(total)) or max(idxs.values()) != 1:
         raise Broken(f"{batch_id}: {len(results)} results for {total} jobs; twice: {[i for i, c in idxs.items() if c > 1]}")
@@ -155,7 +208,7 @@ def chaos(args: argparse.Namespace, home: Path, summary: dict[str, Any]) -> None
     ensure_server(home)
     r = connect()
     b = submit(lines(args.jobs, rng, (args.min_tokens, args.max_tokens), "j"), r=r, model=QUEUE)
-    workers = Workers(args.model, args.workers, home, args.max_num_seqs)
+    workers = Workers(args.model, args.workers, home, args.max_num_seqs, args.max_deliveries)
     try:
         _run(args, r, b, workers, summary)
     finally:
@@ -171,8 +224,11 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
     def done() -> int:
         return r.hlen(keys.done(b.id))
 
+    def wait(cond: Callable[[], Any], what: str) -> Any:
+        return wait_for(cond, args.timeout, what, workers.revive)
+
     def at(frac: float) -> None:
-        wait_for(lambda: done() >= frac * args.jobs, args.timeout, f"{frac:.0%} of the batch")
+        wait(lambda: done() >= frac * args.jobs, f"{frac:.0%} of the batch")
 
     def holding_worker() -> str:
         """A worker holding jobs of the batch, frozen (SIGSTOP) with every other worker, so that no job can
@@ -190,7 +246,7 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
                 workers.thaw()
             return holder
 
-        return wait_for(frozen_holder, args.timeout, "a worker holding jobs")
+        return wait(frozen_holder, "a worker holding jobs")
 
     def note(event: str) -> None:
         events.append(f"{time.monotonic() - t0:.1f}s {event}")
@@ -204,19 +260,46 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
         workers.thaw()
         workers.start(wid)
 
-    victim = None
+    def slow_disk() -> None:
+        """Stall every results chunk write until one stalled worker wrote ``need`` more results of the
+        batch meanwhile: writes must not wait on the disk (its own writer and engine run on)."""
+        workers.slow_disk.touch()
+        try:
+            wid = wait(lambda: next(iter(workers.stalled()), None), "a results chunk write to stall")
+            last = r.xrevrange(keys.results(b.id), count=1)
+            cursor = last[0][0] if last else "0"
+            need = max(3, args.jobs // 200)
+
+            def own() -> int:
+                return sum(x.worker == wid for x in read_results(r, b.id, cursor, args.jobs).results)
+
+            wait(lambda: own() >= need or done() >= args.jobs, f"{need} results of {wid} while its disk stalls")
+            if own() < need or wid not in workers.stalled():
+                raise Broken(f"{wid} wrote {own()} results while its disk stalled (need {need}), or it came unstuck")
+        finally:
+            workers.slow_disk.unlink(missing_ok=True)
+        note(f"results disk stalled: {wid} wrote {own()} results while its chunk write hung, at {done()} done")
+
+    victim = poisoned = None
     # Each fault at a point of the batch's progress (jobs done), never at a clock time. The SIGSTOP comes
     # last: while its victim sleeps past the heartbeat TTL the others run on and may finish the batch.
-    plan = ["kill", "cancel", "kill", "restart_server", "kill"] + ["kill"] * max(0, args.kills - 3) + ["stop"]
+    plan = (["kill", "slow_disk", "cancel", "poison", "kill", "restart_server", "kill"]
+            + ["kill"] * max(0, args.kills - 3) + ["stop"])
     steps = len(plan) + 1
     for i, ev in enumerate(plan):
         at((i + 1) / steps * 0.8)
         if ev == "kill":
             kill()
+        elif ev == "slow_disk":
+            slow_disk()
+        elif ev == "poison":
+            n = max(10, args.jobs // 50)
+            poisoned = submit(poisoned_lines(n, rng), r=r, model=QUEUE, priority=5)
+            note(f"submitted {poisoned.id}: {n} jobs and one that breaks the engine")
         elif ev == "cancel":
             victim = submit(lines(args.jobs // 10, rng, (64, 256), "v"), r=r, model=QUEUE, priority=5)
-            wait_for(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(pending_under(r, v, w) for w in workers.procs) > 0,
-                     args.timeout, "the other batch under way")
+            wait(lambda r=r, v=victim.id: r.hlen(keys.done(v)) + sum(pending_under(r, v, w) for w in workers.procs) > 0,
+                 "the other batch under way")
             cancel_batch(r, victim.id)
             note(f"cancelled {victim.id} ({args.jobs // 10} jobs)")
         elif ev == "stop":
@@ -234,10 +317,14 @@ def _run(args: argparse.Namespace, r: redis.Redis, b: Any, workers: Workers, sum
             r.close()
             r = connect()
             note("kill -9 of the Valkey server, restarted (AOF)")
-    wait_for(lambda: (m := get_batch(r, b.id)) is not None and m.is_final, args.timeout, "the batch to finish")
+    wait(lambda: (m := get_batch(r, b.id)) is not None and m.is_final, "the batch to finish")
     wall = time.monotonic() - t0
+    if poisoned is not None:
+        wait(lambda p=poisoned.id: (m := get_batch(r, p)) is not None and m.is_final, "the poisoned batch to finish")
     codes = workers.stop()
-    summary.update(wall_s=round(wall, 1), exit_codes=codes)
+    summary.update(wall_s=round(wall, 1), exit_codes=codes, sick_exits=workers.sick_exits)
+    if poisoned is not None:
+        summary["poisoned_batch"] = check_poisoned(r, poisoned.id, poisoned.counts.total)
     summary["outcomes"] = check(r, b.id, args.jobs, "completed")
     if victim is not None:
         summary["cancelled_batch"] = check(r, victim.id, victim.counts.total, "cancelled")
@@ -266,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-deliveries", type=int, default=10,
+                   help="the workers': more than the times one job can be held by a killed or stopped worker, so that "
+                        "no innocent job is dead-lettered; the poison fails after this many engines it broke")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one phase may take")
     p.add_argument("--seed", type=int, default=None)
     args = p.parse_args(argv)

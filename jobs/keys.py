@@ -110,6 +110,12 @@ def last_errors(batch_id: str) -> str:
     return _b(batch_id, "last_errors")
 
 
+def sick_episodes(batch_id: str) -> str:
+    """Hash: job idx -> times a worker's engine went sick (failed even a probe request) while it held the
+    job; a job with any runs alone from then on (jobs/consumer/session.py)."""
+    return _b(batch_id, "sick")
+
+
 def deadlines(batch_id: str) -> str:
     """Sorted set: job idx scored by its deadline (only jobs that have one)."""
     return _b(batch_id, "deadlines")
@@ -134,7 +140,7 @@ def deltas(batch_id: str) -> str:
 def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
-            spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
+            sick_episodes(batch_id), spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
 
 
 def parse_jobs_key(key: str) -> tuple[str, int]:

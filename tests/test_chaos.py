@@ -1,6 +1,7 @@
 """The chaos run (bench/chaos.py) at suite scale: 500 jobs, 3 worker processes on the tiny model,
-three kill -9s, a Valkey restart, a SIGSTOP past the heartbeat TTL and a cancelled batch; every
-promise of the job plane is checked by the script, and its summary again here. The script runs in a
+three kill -9s, a Valkey restart, a stalled results disk, a batch holding a request that breaks the
+engine, a SIGSTOP past the heartbeat TTL and a cancelled batch; every promise of the job plane is
+checked by the script, and its summary again here. The script runs in a
 process group of its own: whatever it leaves running afterwards (a worker) fails the test and is killed,
 so it cannot slow down the tests after it."""
 
@@ -63,7 +64,7 @@ def test_chaos_500_jobs_three_workers(sluice_home: Path, tiny_model_dir: Path) -
     seed = fresh_seed()
     cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--model", str(tiny_model_dir), "--jobs", "500",
            "--workers", "3", "--kills", "3", "--min-tokens", "16", "--max-tokens", "48", "--max-num-seqs", "16",
-           "--timeout", "300", "--seed", str(seed)]
+           "--max-deliveries", "5", "--timeout", "300", "--seed", str(seed)]
     p = _run(cmd)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
@@ -72,4 +73,8 @@ def test_chaos_500_jobs_three_workers(sluice_home: Path, tiny_model_dir: Path) -
     assert sum("kill -9 w" in e for e in summary["events"]) == 3
     assert any("SIGSTOP" in e for e in summary["events"]) and any("Valkey" in e for e in summary["events"])
     assert summary["cancelled_batch"].get("cancelled", 0) > 0
+    # 3 kills and a SIGSTOP can put a job in at most 5 hands: 5 deliveries dead-letter no innocent job.
+    assert summary["poisoned_batch"] == {"completed": 10, "failed": 1}
+    assert 1 <= summary["sick_exits"] <= 5 + 1  # once unproven, then at most once per delivery
+    assert any("results disk stalled" in e for e in summary["events"])
     assert set(summary["exit_codes"].values()) == {0}

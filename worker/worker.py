@@ -23,7 +23,7 @@ from engine.protocol import Engine
 from jobs.consumer.session import ConsumerSession
 from worker.drain import Draining
 from worker.held import Held
-from worker.isolation import EngineSick, Isolation
+from worker.isolation import EngineSick, Isolation, culprit_error
 from worker.kinds import engine_request, engine_result, probe_request, serves
 from worker.lora import adapter_names, job_adapter
 from worker.metrics import WorkerMetrics
@@ -134,7 +134,10 @@ class Worker(Draining):
         for d in self.session.take(n, {h.d.entry_id for h in self.held.values()}):
             h = Held(d, time.time())
             self.held[d.job.id] = h
-            self._start(h)
+            if d.sick_episodes:
+                self.iso.wary.append(h)  # held when an engine went sick: it runs alone (worker/isolation.py)
+            else:
+                self._start(h)
 
     def _start(self, h: Held) -> None:
         rid = f"{h.job.id}#{next(self.rids)}"
@@ -178,6 +181,7 @@ class Worker(Draining):
             self._step_failed(e)
             return True
         self.report.steps += 1
+        self.iso.step_ok()
         for c in done:
             self._completed(c)
         if self.text_streams:
@@ -223,9 +227,16 @@ class Worker(Draining):
         self.iso.step_failed(victims)
 
     def _sick(self, e: BaseException) -> None:
-        """Even our probe fails alone: the engine, not the jobs. Hand every job back uncharged and exit."""
+        """Even our probe fails alone: the engine is broken. Hand every job back and exit, each noted as
+        held in a sick episode; only a job that broke a working engine alone is charged."""
         self.report.sick = f"the engine fails a probe request on its own: {type(e).__name__}: {e}"
         log.error("engine sick, handing back %d jobs and exiting: %s", len(self.held), self.report.sick)
+        culprit = self.iso.culprit()
+        self.session.sick([h.d for h in self.held.values()])
+        if culprit is not None and culprit.held.job.id in self.held:
+            log.error("job %s broke a working engine alone: charged", culprit.held.job.id)
+            if self.session.charge(culprit.held.d, culprit_error(culprit.error)) != "retry":
+                self._forget(culprit.held)  # dead-lettered, or another worker's now
         self.iso.clear()
         self.by_rid.clear()  # no aborts: the engine is not to be trusted with anything more
         self.stop_event.set()

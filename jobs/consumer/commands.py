@@ -33,6 +33,7 @@ class Delivery:
     stream: str
     entry_id: str
     deliveries: int  # times this job was handed to a worker, this time included
+    sick_episodes: int = 0  # times an engine went sick while a worker held it: it runs alone (screen sets it)
 
     @property
     def batch_id(self) -> str:
@@ -241,6 +242,14 @@ def note_error(r: redis.Redis, d: Delivery, message: str) -> None:
     r.hset(keys.last_errors(d.batch_id), d.job.idx, message)
 
 
+def note_sick(r: redis.Redis, ds: list[Delivery]) -> None:
+    """One more sick episode (the engine failed even a probe) for each of these held jobs."""
+    pipe = r.pipeline(transaction=False)
+    for d in ds:
+        pipe.hincrby(keys.sick_episodes(d.batch_id), str(d.job.idx), 1)
+    pipe.execute()
+
+
 def count_attempt(r: redis.Redis, scripts: Scripts, d: Delivery, consumer: str) -> bool:
     """Count one more delivery of a job we still hold, in Redis, so the tally survives our crash.
     False if the job is no longer pending under us (another worker took it: fencing)."""
@@ -271,8 +280,9 @@ def still_held(r: redis.Redis, consumer: str, ds: list[Delivery]) -> list[bool]:
 
 
 def screen(r: redis.Redis, ds: list[Delivery]) -> list[tuple[bool, str | None, str | None]]:
-    """For each delivery: (has its outcome, batch status or None if gone, last error). Takes the jobs out
-    of the deadline set: started now, housekeeping may no longer expire them."""
+    """For each delivery: (has its outcome, batch status or None if gone, last error); sets its
+    ``sick_episodes``. Takes the jobs out of the deadline set: started now, housekeeping may no longer
+    expire them."""
     pipe = r.pipeline(transaction=False)
     for d in ds:
         bid, idx = d.batch_id, d.job.idx
@@ -280,8 +290,11 @@ def screen(r: redis.Redis, ds: list[Delivery]) -> list[tuple[bool, str | None, s
         pipe.hget(keys.meta(bid), "status")
         pipe.zrem(keys.deadlines(bid), idx)
         pipe.hget(keys.last_errors(bid), idx)
+        pipe.hget(keys.sick_episodes(bid), idx)
     replies = pipe.execute()
-    return [(bool(replies[4 * i]), replies[4 * i + 1], replies[4 * i + 3]) for i in range(len(ds))]
+    for i, d in enumerate(ds):
+        d.sick_episodes = int(replies[5 * i + 4] or 0)
+    return [(bool(replies[5 * i]), replies[5 * i + 1], replies[5 * i + 3]) for i in range(len(ds))]
 
 
 # ---- heartbeat -----------------------------------------------------------------------------------

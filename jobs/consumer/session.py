@@ -10,6 +10,7 @@ knows no Redis:
     put(d, result)         a finished job's result, written by the writer thread
     settle(d, ...)         an outcome for a job that did not run (cancelled, expired, refused)
     charge(d, error)       a failed attempt: "retry", "dead" (dead-lettered) or "lost" (taken by another)
+    sick(ds)               the engine went sick holding these: each runs alone from now on, anywhere
     hand_back(ds)          unfinished jobs back to the queue (a drain); False while Redis is away
     stream(texts)          new text of jobs that stream it (interactive requests)
     cancels()              cancel events that arrived since the last call
@@ -281,6 +282,14 @@ class ConsumerSession:
             return "lost"
         d.deliveries += 1
         return "retry"
+
+    def sick(self, ds: list[Delivery]) -> None:
+        """The engine failed even a probe while we held ``ds``: note the episode on each, in Redis, so
+        that whichever worker takes one next runs it alone (``Delivery.sick_episodes``). A job that then
+        breaks a working engine alone is the culprit, and is charged (``charge``); the rest run on.
+        Lost if Redis is away: the jobs are then only handed back, as before."""
+        if ds:
+            self._guard(commands.note_sick, self.link.r, ds)
 
     def hand_back(self, ds: list[Delivery]) -> bool:
         """Unfinished jobs back to the queue for other workers, not counted as attempts. False if Redis
