@@ -45,6 +45,7 @@ class WorkerMetrics:
         self.run_time = Histogram("sluice_job_run_seconds", "Pulled by the worker to result", list(labels),
                                   buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
         self._labels = labels
+        self._write_errors = 0  # the session's total at the last observe
         self._server: Any = None
 
     def serve(self, port: int) -> None:
@@ -68,6 +69,17 @@ class WorkerMetrics:
             self.latency.observe(max(0.0, now - submitted))
         if started:
             self.run_time.observe(max(0.0, now - started))
+
+    def observe(self, llm: Any, held: int, pending_writes: int, up: bool, queue_depth: int | None,
+                write_errors: int) -> None:
+        """One worker loop turn's gauges; ``write_errors`` is the session's running total."""
+        self.engine(llm.num_running, llm.num_waiting, held, llm.num_free_blocks, llm.num_total_blocks)
+        self.outbox.set(pending_writes)
+        self.redis_up.set(1 if up else 0)
+        if queue_depth is not None:
+            self.queue_depth.set(queue_depth)
+        self.write_errors.inc(write_errors - self._write_errors)
+        self._write_errors = write_errors
 
     def engine(self, running: int, waiting: int, held: int, free_blocks: int, total_blocks: int) -> None:
         self.running.set(running)

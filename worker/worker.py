@@ -63,7 +63,6 @@ class Worker(Draining):
         self.drain_deadline = 0.0
         self.started = time.monotonic()
         self._old_signals: dict[int, Any] = {}
-        self._write_errors = 0
         self.text_streams = TextStreams(llm.tokenizer)  # streaming jobs' text, published after each step
 
     def _status(self) -> dict[str, Any]:
@@ -106,15 +105,8 @@ class Worker(Draining):
             self.stop_event.wait(self.o.poll_interval)
 
     def _observe(self) -> None:
-        llm, s = self.llm, self.session
-        self.metrics.engine(llm.num_running, llm.num_waiting, len(self.held), llm.num_free_blocks,
-                            llm.num_total_blocks)
-        self.metrics.outbox.set(s.pending_writes)
-        self.metrics.redis_up.set(1 if s.up else 0)
-        if s.queue_depth is not None:
-            self.metrics.queue_depth.set(s.queue_depth)
-        self.metrics.write_errors.inc(s.stats.write_errors - self._write_errors)
-        self._write_errors = s.stats.write_errors
+        s = self.session
+        self.metrics.observe(self.llm, len(self.held), s.pending_writes, s.up, s.queue_depth, s.stats.write_errors)
         self.report.max_held = max(self.report.max_held, len(self.held) + s.pending_writes)
         if self.held or s.pending_writes:
             self.busy_since = time.monotonic()
