@@ -33,6 +33,9 @@ class EngineConfig:
     cpu_linear: str = "auto"
     # Think delimiters (engine/reasoning.py): auto = found in the tokenizer's vocabulary | a parser's name | none.
     reasoning_parser: str = "auto"
+    # Ranks (processes, one device each on CUDA) that split every layer (engine/parallel/). The KV cache
+    # budget (kv_cache_memory) is per rank: each holds its own share of the KV heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -43,5 +46,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {self.attention_backend!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")

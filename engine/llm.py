@@ -57,11 +57,20 @@ class LLM:
         self.tokenizer = load_tokenizer(src)
         self.hf_config = hf.config
         self.model_impl = pick_model_impl(hf.config, self.config.model_impl)
-        log.info("model %s: %s implementation", hf.config.model_type, self.model_impl)
+        log.info("model %s: %s implementation, %s", hf.config.model_type, self.model_impl, self.parallelism)
         max_len = _model_max_len(hf.config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
+        if self.config.tensor_parallel_size > 1:
+            from engine.parallel.build import check_supported, driver_device
+
+            check_supported(self.model_impl, hf.config, self.config.tensor_parallel_size)
+            self.device = driver_device(self.device)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        if self.config.tensor_parallel_size > 1:
+            from engine.parallel.build import start_tensor_parallel
+
+            net = start_tensor_parallel(net, src, self.config, hf.config, self.model_impl, self.dtype, self.device, max_len)
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
         del hf
@@ -92,6 +101,14 @@ class LLM:
     @property
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
+
+    @property
+    def parallelism(self) -> str:
+        """How the model is split, for the start-up line and the worker's heartbeat."""
+        n = self.config.tensor_parallel_size
+        if n == 1:
+            return "one device"
+        return f"tensor parallel {n} ({'nccl' if self.device.type == 'cuda' else 'gloo'})"
 
     @property
     def vocab_size(self) -> int:
