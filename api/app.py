@@ -77,11 +77,16 @@ async def _sweep_files(state: AppState) -> None:
 
 def list_models(state: State) -> dict[str, Any]:
     serves: dict[str, set[str]] = {}
+    parallelism: dict[str, set[str]] = {}
     for w in list_workers(state.redis()):
+        q = w.get("queue") or "default"
         # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
-        serves.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+        serves.setdefault(q, set()).add(w.get("serves") or "generation")
+        # how each worker splits the model: "one device" or "tensor parallel N (gloo|nccl)"
+        parallelism.setdefault(q, set()).add(w.get("parallelism") or "one device")
     return {"object": "list", "data": [{"id": q, "object": "model", "created": 0, "owned_by": "sluice",
-                                        "serves": sorted(serves[q])} for q in sorted(serves)]}
+                                        "serves": sorted(serves[q]), "parallelism": sorted(parallelism[q])}
+                                       for q in sorted(serves)]}
 
 
 def healthz(state: State) -> JSONResponse:

@@ -67,7 +67,7 @@ def cli(verbose: bool) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def generate(input_file: Path, output_file: Path, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str,
-             enforce_eager: bool, model_impl: str, reasoning_parser: str, max_tokens: int | None,
+             enforce_eager: bool, model_impl: str, reasoning_parser: str, tensor_parallel_size: int, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
              resume: bool, no_progress: bool) -> None:
     """Run INPUT_FILE (JSONL; - reads stdin) through the engine in-process, no queue: results to OUTPUT,
@@ -88,7 +88,7 @@ def generate(input_file: Path, output_file: Path, errors_file: Path | None, mode
     errors = errors_file or (target if to_stdout else default_errors_path(output_file))
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser)
+                           model_impl, reasoning_parser, tensor_parallel_size)
     t0 = time.time()
     try:
         with readable_input(input_file) as src:

@@ -63,13 +63,13 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
               help="Stop after this many seconds with nothing to do.")
 @job_server_errors
 def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-               kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
+               kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, tensor_parallel_size: int,
                queue: str | None, metrics_port: int | None, grace_period: float, worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine()
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser)
+                           model_impl, reasoning_parser, tensor_parallel_size)
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle)
     click.echo(json.dumps(asdict(report)), err=True)
@@ -170,7 +170,7 @@ class ApiThread:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @job_server_errors
 def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
-           policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, queue: str | None,
+           policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, tensor_parallel_size: int, queue: str | None,
            metrics_port: int | None, grace_period: float, host: str, port: int) -> None:
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
@@ -187,7 +187,7 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     api = ApiThread(sock)
     api.start()
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser)
+                           model_impl, reasoning_parser, tensor_parallel_size)
     click.echo(f"loading {model or 'the default model'}; job server: {server_name()}", err=True)
     t0 = time.monotonic()
     try:

@@ -133,6 +133,12 @@ class LLM:
             "num_blocks": self.num_total_blocks,
         }
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device); the engine cannot step afterwards."""
+        close = getattr(self.runner.model, "close", None)
+        if close is not None:
+            close()
+
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. One that is malformed or can never fit comes back from the next ``step()``

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
     # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
     p.add_argument("--lookahead", type=int)

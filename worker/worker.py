@@ -92,15 +92,16 @@ class Worker:
         llm = self.llm
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
-                "serves": serves(llm)}
+                "serves": serves(llm), "parallelism": getattr(llm, "parallelism", "one device")}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
         self._install_signals()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
-        log.info("worker %s on queue %r: %s model implementation, %d KV blocks, holds at most %d jobs", self.id,
-                 self.o.queue, self.llm.model_impl, self.llm.num_total_blocks, self.puller.max_held)
+        log.info("worker %s on queue %r: %s model implementation, %s, %d KV blocks, holds at most %d jobs", self.id,
+                 self.o.queue, self.llm.model_impl, getattr(self.llm, "parallelism", "one device"),
+                 self.llm.num_total_blocks, self.puller.max_held)
         self.session.start()
         try:
             while not self._finished():
