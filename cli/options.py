@@ -62,7 +62,7 @@ engine_options = [
                "decoder-only model it loads); auto picks native where it exists."),
     env_option("--tensor-parallel-size", envvar="SLUICE_TENSOR_PARALLEL_SIZE", type=click.IntRange(min=1), default=1,
                show_default=True, help="Ranks that split every layer of the model (one process each; on CUDA one "
-               "GPU each, NCCL; on CPU gloo). Native path (Llama family) only; --kv-cache-memory is per rank."),
+               "GPU each, NCCL; on CPU gloo). Transformers path: models that declare a tp_plan. --kv-cache-memory is per rank."),
     env_option("--reasoning-parser", envvar="SLUICE_REASONING_PARSER", default="auto", show_default=True,
                help="Think delimiters of a reasoning model: auto (found in the tokenizer's vocabulary), none, or "
                "qwen3 | deepseek_r1 | seed_oss."),

@@ -1,5 +1,6 @@
 """Tensor parallelism (engine/parallel/): two gloo ranks on the CPU give greedy tokens identical to one
-rank in float32, under preemption, chunked prefill and prefix caching at once; a rank killed mid-batch
+rank in float32 (native Llama and Qwen3; Qwen3-MoE on the transformers path, by transformers' own plan),
+under preemption, chunked prefill and prefix caching at once; a rank killed mid-batch
 takes its worker down, and every job still completes exactly once."""
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ MODELS = {
                                       mlp_bias=True, tie_word_embeddings=True, vocab_size=49155),
     # Per-head q/k norms, on the PyTorch attention (its per-step groups are prepared on every rank).
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # The transformers path: transformers' own tensor-parallel plan (DTensor), its experts split too.
+    "qwen3-moe-transformers": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
 }
-BACKEND = {"llama-bias-tied-odd-vocab": "cpu", "qwen3": "torch"}
+BACKEND = {"llama-bias-tied-odd-vocab": "cpu", "qwen3": "torch", "qwen3-moe-transformers": "cpu"}
 MAX_NEW = 20
 NUM_BLOCKS = 14
 
@@ -63,6 +67,7 @@ def test_two_ranks_match_one_under_preemption_chunked_prefill_and_prefix_caching
         try:
             assert llm.num_total_blocks == NUM_BLOCKS
             assert llm.parallelism == ("one device" if tp == 1 else "tensor parallel 2 (gloo)")
+            assert llm.model_impl == ("transformers" if "moe" in name else "native")
             # Twice: the second round finds the shared prompt's blocks left by the first.
             results[tp] = _generate(llm, prompts) + _generate(llm, prompts[:3])
             stats[tp] = llm.stats
@@ -78,8 +83,8 @@ def test_what_cannot_be_split_is_refused_in_one_line(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "m", seed=0, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size 3 does not divide the model's num_attention_heads \(4\)$"):
         LLM(str(path), dtype="float32", tensor_parallel_size=3, kv_cache_memory=1 << 20)
-    with pytest.raises(ValueError, match=r"native .* only; this model runs on the transformers path"):
-        LLM(str(path), dtype="float32", tensor_parallel_size=2, model_impl="transformers", kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size 3 does not divide the model's num_attention_heads"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=3, model_impl="transformers", kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(str(path), dtype="float32", tensor_parallel_size=0)
 

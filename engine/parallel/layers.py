@@ -75,9 +75,9 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
-def check_divisible(config: Any, world_size: int) -> None:
+def check_divisible(config: Any, world_size: int, names: tuple[str, ...]) -> None:
     """Heads, KV heads and MLP units must split evenly; the message names what does not."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in names:
         n = getattr(config, name)
         if n % world_size:
             raise ValueError(f"tensor_parallel_size {world_size} does not divide the model's {name} ({n})")
@@ -86,7 +86,7 @@ def check_divisible(config: Any, world_size: int) -> None:
 @torch.no_grad()
 def shard_llama(net: Any, ps: ParallelState) -> None:
     """Keep this rank's shard of every layer of a loaded ``engine.models.llama.LlamaForCausalLM``, in place."""
-    check_divisible(net.config, ps.world_size)
+    check_divisible(net.config, ps.world_size, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
     for layer in net.layers:
         _shard_attention(layer.self_attn, ps)
         _shard_mlp(layer.mlp, ps)

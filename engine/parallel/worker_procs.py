@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,9 +195,9 @@ def free_port() -> int:
 _current: DriverModel | None = None
 
 
-def start(net: nn.Module, shard: Any, model_path: str, gguf_file: str | None, config: EngineConfig,
+def start(net: nn.Module, shard: Callable[[nn.Module, ParallelState], nn.Module], model_path: str, gguf_file: str | None, config: EngineConfig,
           cpu_linear: str, dtype: torch.dtype, device: torch.device, max_model_len: int) -> DriverModel:
-    """Start ranks 1..N-1, join the group as rank 0, keep rank 0's shard of ``net`` (``shard(net, ps)``);
+    """Start ranks 1..N-1, join the group as rank 0, keep rank 0's shard of ``net`` (``shard(net, ps)`` returns it);
     returns rank 0's model. One tensor-parallel engine per process: a previous one is closed."""
     global _current
     if _current is not None:
@@ -207,14 +210,14 @@ def start(net: nn.Module, shard: Any, model_path: str, gguf_file: str | None, co
     procs = RankProcesses(spec)
     try:
         ps = state.init(0, world, spec.init_method, device)
-        shard(net, ps)
+        net = shard(net, ps)
         procs.wait_ready()
     except BaseException:
         procs.stopping = True
         procs.kill()
         state.destroy()
         raise
-    driver = DriverModel(net, ps, procs, net.config.hidden_size)
+    driver = DriverModel(net, ps, procs, net.config.get_text_config().hidden_size)
     if threads:
         torch.set_num_threads(threads)
     procs.watch()
@@ -259,7 +262,7 @@ def rank_main(rank: int, spec: RankSpec) -> None:
         raise
     _tell_rank0("ready")
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-    hidden_size = net.config.hidden_size
+    hidden_size = net.config.get_text_config().hidden_size
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -321,6 +324,7 @@ def main(argv: list[str]) -> None:
     _ready_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: every thread's stack on stderr (a hung rank)
     try:
         rank_main(rank, spec)
     except Exception:
