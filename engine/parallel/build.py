@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ def build_shard(src: ModelSource, config: EngineConfig, dtype: torch.dtype, devi
     if impl == "transformers":
         return load_transformers_shard(src, dtype, device, ps)
     hf = load_hf_model(src, dtype)
-    net = build_model(hf, impl, max_model_len, device, dtype)
+    net = cast(nn.Module, build_model(hf, impl, max_model_len, device, dtype))
     shard_llama(net, ps)
     use_cpu_linear(net, config.cpu_linear, hf.config, device, dtype)
     return net

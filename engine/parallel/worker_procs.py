@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,7 @@ class DriverModel(nn.Module):
 
     def __init__(self, local: nn.Module, ps: ParallelState, procs: RankProcesses, hidden_size: int) -> None:
         super().__init__()
-        self.local = local
+        self.local: Any = local  # a CausalLM (engine/models/base.py)
         self.ps, self.procs, self.hidden_size = ps, procs, hidden_size
         self.closed = False
         self.host_threads = torch.get_num_threads()  # restored at close: the ranks shared the cores
@@ -217,7 +217,7 @@ def start(net: nn.Module, shard: Callable[[nn.Module, ParallelState], nn.Module]
         procs.kill()
         state.destroy()
         raise
-    driver = DriverModel(net, ps, procs, net.config.get_text_config().hidden_size)
+    driver = DriverModel(net, ps, procs, cast(Any, net).config.get_text_config().hidden_size)
     if threads:
         torch.set_num_threads(threads)
     procs.watch()
@@ -303,8 +303,11 @@ def _tell_rank0(line: str) -> None:
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     if device.type == "cpu":
         return meta
-    moved = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
-    return AttentionMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+    moved: dict[str, Any] = {}
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+    return AttentionMetadata(**moved)
 
 
 def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
