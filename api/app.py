@@ -78,6 +78,7 @@ async def _sweep_files(state: AppState) -> None:
 def list_models(state: State) -> dict[str, Any]:
     serves: dict[str, set[str]] = {}
     quantization: dict[str, set[str]] = {}
+    parallelism: dict[str, set[str]] = {}
     adapters: dict[str, str] = {}  # "base:adapter" -> base
     for w in list_workers(state.redis()):
         queue = w.get("queue") or "default"
@@ -85,10 +86,12 @@ def list_models(state: State) -> dict[str, Any]:
         serves.setdefault(queue, set()).add(w.get("serves") or "generation")
         # the weights' quantization each worker loaded (engine/quant/methods.py; older workers: none)
         quantization.setdefault(queue, set()).add(w.get("quantization") or "none")
+        # how each worker splits the model: "one device" or "tensor parallel N (gloo|nccl)"
+        parallelism.setdefault(queue, set()).add(w.get("parallelism") or "one device")
         for name in w.get("adapters") or []:  # LoRA adapters, named as lines name them
             adapters[f"{queue}:{name}"] = queue
     data = [{"id": q, "object": "model", "created": 0, "owned_by": "sluice", "serves": sorted(serves[q]),
-             "quantization": sorted(quantization[q])} for q in sorted(serves)]
+             "quantization": sorted(quantization[q]), "parallelism": sorted(parallelism[q])} for q in sorted(serves)]
     data += [{"id": a, "object": "model", "created": 0, "owned_by": "sluice", "serves": ["generation"],
               "parent": base} for a, base in sorted(adapters.items())]
     return {"object": "list", "data": data}

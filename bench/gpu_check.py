@@ -60,6 +60,7 @@ from bench.gpu_checks.graphs import child_graphs  # noqa: E402
 from bench.gpu_checks.models import TOKENIZER_DIR, child_hf, child_ours, prepare_tokenizer  # noqa: E402
 from bench.gpu_checks.sections import Prepared, end_to_end, engine_section, graphs_section, prepare_model  # noqa: E402
 from bench.gpu_checks.speed import bench_decode, bench_prefill, copy_bandwidth_row  # noqa: E402
+from bench.gpu_checks.tensor_parallel import tensor_parallel_section  # noqa: E402
 
 # ---- driver -----------------------------------------------------------------------------------------
 
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": lambda: bench_prefill(plan, rows),
         "fused": lambda: check_fused(plan, rows),
         "engine": lambda: engine_section(plan, args, model(), deadline, rows),
+        "tp": lambda: tensor_parallel_section(plan, model(), rng, rows),
         "graphs": lambda: graphs_section(plan, args, model(), deadline, rows),
         "e2e": lambda: end_to_end(plan, args, model(), deadline, rows),
     }

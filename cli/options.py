@@ -60,6 +60,9 @@ engine_options = [
     env_option("--model-impl", envvar="SLUICE_MODEL_IMPL", type=click.Choice(["auto", "native", "transformers"]),
                default="auto", show_default=True, help="native (Llama family, Qwen3: fastest) or transformers (any "
                "decoder-only model it loads); auto picks native where it exists."),
+    env_option("--tensor-parallel-size", envvar="SLUICE_TENSOR_PARALLEL_SIZE", type=click.IntRange(min=1), default=1,
+               show_default=True, help="Ranks that split every layer of the model (one process each; on CUDA one "
+               "GPU each, NCCL; on CPU gloo). Transformers path: models that declare a tp_plan. --kv-cache-memory is per rank."),
     env_option("--reasoning-parser", envvar="SLUICE_REASONING_PARSER", default="auto", show_default=True,
                help="Think delimiters of a reasoning model: auto (found in the tokenizer's vocabulary), none, or "
                "qwen3 | deepseek_r1 | seed_oss."),
@@ -114,7 +117,8 @@ def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
                   policy: str, enforce_eager: bool = False, model_impl: str = "auto",
                   reasoning_parser: str = "auto", quantization: str = "auto",
-                  memory_budget: int | None = None) -> dict[str, Any]:
+                  memory_budget: int | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl,
-                reasoning_parser=reasoning_parser, quantization=quantization, memory_budget=memory_budget)
+                reasoning_parser=reasoning_parser, quantization=quantization, memory_budget=memory_budget,
+                tensor_parallel_size=tensor_parallel_size)

@@ -66,7 +66,7 @@ class BlockManager:
         for i, h in enumerate(seq.block_hashes[: (seq.num_tokens - 1) // bs]):
             block_id = self.hash_to_block.get(h)
             block = None if block_id is None else self.blocks[block_id]
-            if block is None or block.lora != seq.lora or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or block is None or block.lora != seq.lora or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits

@@ -45,6 +45,9 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Ranks (processes, one device each on CUDA) that split every layer (engine/parallel/). The KV cache
+    # budget (kv_cache_memory) is per rank: each holds its own share of the KV heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +60,12 @@ class EngineConfig:
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.lora_modules or self.quantization != "auto"):
+            # the split layers (engine/parallel/) shard dense weights and know no adapter hooks yet
+            raise ValueError("tensor_parallel_size > 1 runs dense weights without LoRA adapters for now: drop "
+                             "--quantization or --lora, or run on one device")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:

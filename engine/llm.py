@@ -67,10 +67,16 @@ class LLM(Intake[_RequestState, Completion]):
         hf = load_hf_model(src, self.dtype, quant.load_config)
         self.tokenizer = load_tokenizer(src)
         self.hf_config = hf.config
-        log.info("model %s: %s implementation, quantization %s", hf.config.model_type, self.model_impl, quant.name)
+        log.info("model %s: %s implementation, quantization %s, %s", hf.config.model_type, self.model_impl,
+                 quant.name, self.parallelism)
         max_len = _model_max_len(hf.config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
+        if self.config.tensor_parallel_size > 1:
+            from engine.parallel.build import check_supported, driver_device
+
+            check_supported(self.model_impl, hf.config, self.config.tensor_parallel_size)
+            self.device = driver_device(self.device)
         net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
         # Before the linear layers are replaced: the adapters' targets are read from them.
         self.lora = self._lora_manager(cast(torch.nn.Module, net))
@@ -78,6 +84,10 @@ class LLM(Intake[_RequestState, Completion]):
             scales = read_weight_scales(dense_path(src)) if quant.checkpoint_scales else None
             count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
             log.info("int8 weight-only: %d linear layers (%s scales)", count, "checkpoint" if scales else "absmax")
+        if self.config.tensor_parallel_size > 1:
+            from engine.parallel.build import start_tensor_parallel
+
+            net = start_tensor_parallel(net, src, self.config, hf.config, self.model_impl, self.dtype, self.device, max_len)
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
         del hf
@@ -109,6 +119,14 @@ class LLM(Intake[_RequestState, Completion]):
         return self.block_manager.num_blocks
 
     @property
+    def parallelism(self) -> str:
+        """How the model is split, for the start-up line and the worker's heartbeat."""
+        n = self.config.tensor_parallel_size
+        if n == 1:
+            return "one device"
+        return f"tensor parallel {n} ({'nccl' if self.device.type == 'cuda' else 'gloo'})"
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
@@ -130,6 +148,12 @@ class LLM(Intake[_RequestState, Completion]):
             "max_running": self.max_running_seen,
             "num_blocks": self.num_total_blocks,
         }
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device); the engine cannot step afterwards."""
+        close = getattr(self.runner.model, "close", None)
+        if close is not None:
+            close()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

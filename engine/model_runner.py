@@ -78,10 +78,14 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
+        if hasattr(self.model, "allocate_kv"):  # tensor parallel: the other ranks allocate theirs (engine/parallel/)
+            self.model.allocate_kv(num_blocks)
         self.num_zeroed_blocks = num_blocks if self.device.type == "cpu" else 0  # allocate_kv zeroes CPU caches
 
     def _capture_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.caps.cuda_graphs
+        # Not under tensor parallelism: each step's metadata is sent to the other ranks from the host.
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.backend.caps.cuda_graphs
+                and self.config.tensor_parallel_size == 1)
 
     def _pad_decode(self) -> bool:
         return self.config.pad_decode if self.config.pad_decode is not None else self._capture_graphs()

@@ -46,6 +46,8 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
                            "preemption", "prefix caching", "seeded sampled batch"}, engine
     assert all(r["result"] == "PASS" for r in engine.values()), engine
     assert engine["preemption"]["preemptions"] > 0 and engine["prefix caching"]["hits"] > 0
+    tp = by["tp"]  # tensor parallelism: two gloo ranks on the CPU in the dry run
+    assert [r["result"] for r in tp] == ["PASS"] and tp[0]["preemptions"] > 0, tp
     # Padded decode buckets against eager steps: each batch size timed with its batch checked, same tokens.
     steps = [r for r in by["graphs"] if r["item"].startswith("decode step B=")]
     assert [r["batch"] for r in steps] == [1, 3]

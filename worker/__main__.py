@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
     p.add_argument("--lora", action="append", type=_lora, default=None, metavar="NAME=PATH",
                    help="a LoRA adapter lines may ask for as model BASE:NAME or NAME (repeatable)")

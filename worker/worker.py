@@ -71,15 +71,16 @@ class Worker(Draining):
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
                 "serves": serves(llm), "quantization": getattr(llm, "quantization", "none"),
-                "adapters": adapter_names(llm)}
+                "adapters": adapter_names(llm), "parallelism": getattr(llm, "parallelism", "one device")}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
         self._install_signals()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
-        log.info("worker %s on queue %r: %s model implementation, quantization %s, %d KV blocks, holds at most "
-                 "%d jobs", self.id, self.o.queue, self.llm.model_impl, getattr(self.llm, "quantization", "none"),
+        log.info("worker %s on queue %r: %s model implementation, quantization %s, %s, %d KV blocks, holds at "
+                 "most %d jobs", self.id, self.o.queue, self.llm.model_impl, getattr(self.llm, "quantization", "none"),
+                 getattr(self.llm, "parallelism", "one device"),
                  self.llm.num_total_blocks, self.puller.max_held)
         self.session.start()
         try:

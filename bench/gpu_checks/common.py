@@ -145,8 +145,8 @@ DRY = Plan(
 )
 
 Row = tuple[str, str, str, str]  # section, item, result, detail
-SECTIONS = ("correctness", "decode", "prefill", "fused", "engine", "graphs", "e2e")
-JUDGED = ("correctness", "fused", "engine")  # the exit code is 1 when one of these fails
+SECTIONS = ("correctness", "decode", "prefill", "fused", "engine", "tp", "graphs", "e2e")
+JUDGED = ("correctness", "fused", "engine", "tp")  # the exit code is 1 when one of these fails
 JSONL = "gpu_check.jsonl"
 
 

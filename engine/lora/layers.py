@@ -138,7 +138,7 @@ class LoraHook:
         return stack
 
 
-def native_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:
+def native_targets(net: Any) -> dict[str, tuple[Target, Site]]:
     """The Llama-family native model's q/k/v/o/gate/up/down of every layer, in transformers' naming."""
     cfg = net.config
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -157,7 +157,7 @@ def native_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:
     return out
 
 
-def transformers_targets(net: nn.Module) -> dict[str, tuple[Target, Site]]:
+def transformers_targets(net: Any) -> dict[str, tuple[Target, Site]]:
     """Every ``nn.Linear`` of the wrapped transformers model but its head (the logits are computed
     apart, for the sampled rows only)."""
     hf, head = net.hf, net.lm_head

@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.kernels = kernels if kernels is not None and kernels.rotary_supports(self.head_dim) else None
 
     def kv_spec(self) -> list[LayerKVSpec]:
-        return [LayerKVSpec(self.config.num_key_value_heads, self.head_dim)] * len(self.layers)
+        # Each layer's own KV head count: under tensor parallelism, this rank's share (engine/parallel/).
+        return [LayerKVSpec(layer.self_attn.num_kv_heads, self.head_dim) for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Reduce in float32: argmax and softmax over bfloat16 logits are slow on CPU and lose ties.

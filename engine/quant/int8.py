@@ -38,6 +38,9 @@ class Int8Linear(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.qweight: torch.Tensor
+        self.scale: torch.Tensor
+        self.bias: torch.Tensor | None
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.to(dtype))  # ATen's kernel wants the input's dtype
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
