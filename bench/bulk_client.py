@@ -31,7 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from online_throughput import QUEUE, start_system  # noqa: E402 - bench/ is not a package
+from online_throughput import QUEUE, start_system, stop_system  # noqa: E402 - bench/ is not a package
 
 LM_EVAL = "lm_eval[api]==0.4.13"
 TRANSFORMERS = "transformers==5.24.0"  # for lm-eval's tokenizer (no torch: tokenizers only)
@@ -181,15 +181,7 @@ def main() -> None:
         try:
             wall = run_lm_eval(exe, url, tokenizer, Path(tmp), args.out, args)
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            from jobs.connection import stop_server
-
-            stop_server(home, kill=True)
+            stop_system(procs, home)
     got = summary(args.out)
     print(json.dumps({"client": LM_EVAL, "model": args.model or "SmolLM2-135M-Instruct", "wall_s": round(wall, 1),
                       "results": got["results"], "samples": got["samples"], "results_file": got["results_file"]},

@@ -61,6 +61,19 @@ def wait_until(cond: Any, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
+def stop_system(procs: list[subprocess.Popen], home: Path) -> None:
+    """The API and worker processes (last started first), then the job server."""
+    for proc in reversed(procs):
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    from jobs.connection import stop_server
+
+    stop_server(home, kill=True)
+
+
 def start_system(args: argparse.Namespace, home: Path, env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
     from jobs import keys
     from jobs.connection import connect, ensure_server
@@ -185,15 +198,7 @@ def main() -> None:
                       f"p90 {res['latency_p90_s']:.2f}s p99 {res['latency_p99_s']:.2f}s ({res['wall_s']:.1f}s)"
                       f"{failed}", flush=True)
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            from jobs.connection import stop_server
-
-            stop_server(home, kill=True)
+            stop_system(procs, home)
     report = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens, "batch": batch,
               "online": online}
     out = args.out or OUT / f"online_{time.strftime('%Y%m%d_%H%M%S')}.json"
