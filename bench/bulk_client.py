@@ -31,7 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from online_throughput import QUEUE, start_system, stop_system  # noqa: E402 - bench/ is not a package
+from online_throughput import QUEUE, private_home, start_system, stop_system  # noqa: E402 - bench/ is not a package
 
 LM_EVAL = "lm_eval[api]==0.4.13"
 TRANSFORMERS = "transformers==5.24.0"  # for lm-eval's tokenizer (no torch: tokenizers only)
@@ -171,10 +171,7 @@ def main() -> None:
 
     exe = ensure_venv(args.venv)
     with tempfile.TemporaryDirectory(prefix="sluice-bulk-") as tmp:
-        home = Path(tmp) / "home"
-        home.mkdir()
-        os.environ["SLUICE_HOME"] = str(home)
-        os.environ.pop("SLUICE_REDIS_URL", None)
+        home = private_home(Path(tmp))
         write_tasks(Path(tmp))
         tokenizer = save_tokenizer(args.model, Path(tmp))
         procs, url = start_system(args, home, {**os.environ, "PYTHONPATH": str(ROOT)})

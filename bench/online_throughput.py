@@ -61,6 +61,15 @@ def wait_until(cond: Any, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
+def private_home(tmp: Path) -> Path:
+    """A SLUICE_HOME of this run's own (its own embedded job server), set for this process and its children."""
+    home = tmp / "home"
+    home.mkdir()
+    os.environ["SLUICE_HOME"] = str(home)
+    os.environ.pop("SLUICE_REDIS_URL", None)
+    return home
+
+
 def stop_system(procs: list[subprocess.Popen], home: Path) -> None:
     """The API and worker processes (last started first), then the job server."""
     for proc in reversed(procs):
@@ -175,10 +184,7 @@ def main() -> None:
 
     prompts = load_prompts(args.requests)
     with tempfile.TemporaryDirectory(prefix="sluice-online-") as tmp:
-        home = Path(tmp) / "home"
-        home.mkdir()
-        os.environ["SLUICE_HOME"] = str(home)
-        os.environ.pop("SLUICE_REDIS_URL", None)
+        home = private_home(Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         procs, url = start_system(args, home, env)
         try:
