@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_for_url
+from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, wait_for_url
+from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, wait_for, worker_process
 
@@ -34,6 +35,7 @@ class Live:
     url: str
     home: Path
     worker: ThreadWorker
+    llm: HeldLLM
 
     def client(self, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
@@ -52,12 +54,15 @@ def _serve(home: Path, **env: str) -> tuple[Any, str]:
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     home = tmp_path_factory.mktemp("openai") / "home"
-    with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny") as w:
+    with sluice_home(home):
+        llm = HeldLLM(str(tiny_model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory=8 << 20)
+        w = ThreadWorker(llm, queue="tiny")
         proc, url = _serve(home)
         try:
-            yield Live(url, home, w)
+            yield Live(url, home, w, llm)
         finally:
             assert stop(proc) == 0
+            w.join()
 
 
 @pytest.fixture(scope="module")
@@ -194,22 +199,34 @@ def test_metrics_count_latency_and_time_to_first_token(live: Live) -> None:
     assert 'sluice_api_time_to_first_token_seconds_count{endpoint="/v1/completions"}' in text
 
 
+def _answered_with(live: Live, status: str) -> float:
+    """How many /v1/completions answers with ``status`` the API has counted (its latency histogram)."""
+    text = httpx.get(f"{live.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sluice_api_request_latency_seconds_count") and f'status="{status}"' in line)
+
+
 def test_a_client_that_goes_away_cancels_its_job(live: Live) -> None:
     r = connect()
     body = {"model": "tiny", "prompt": "weir canal", "max_tokens": 4000, "ignore_eos": True}
-    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json=body, timeout=1.5)
-    # The job is cancelled and its keys gone, long before 4000 tokens could be generated.
-    wait_for(lambda: not _left_behind(live.home), 10, "the abandoned request's keys to go")
+    gone_before = _answered_with(live, "499")
+    # The engine is held while the client waits and leaves: the request cannot finish first, however fast
+    # this machine is.
+    with live.llm.held():
+        with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=1.5)
+        wait_for(lambda: _answered_with(live, "499") > gone_before, 30, "the API to see the client go")
+    wait_for(lambda: not _left_behind(live.home), 30, "the abandoned request's keys to go")
     assert not r.zcard(keys.interactive("tiny"))
+    assert live.llm.aborted, "the worker never aborted the abandoned request in its engine"
 
 
 def test_timeout_is_504_and_the_bound_is_429(live: Live) -> None:
     proc, url = _serve(live.home, SLUICE_INTERACTIVE_TIMEOUT="1", SLUICE_INTERACTIVE_MAX_WAITING="1")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-        with pytest.raises(openai.APIStatusError) as e:
+        with live.llm.held(), pytest.raises(openai.APIStatusError) as e:  # no answer can come in time
             client.completions.create(model="tiny", prompt="stone bank", max_tokens=4000,
                                       extra_body={"ignore_eos": True})
         assert e.value.status_code == 504 and e.value.code == "timeout"
@@ -274,7 +291,8 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
                 return worker_process(tiny_model_dir, "worker-b", log=tmp_path / "b.log")
 
             async def run() -> tuple[list[Any], Any]:
-                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+                # A give-up limit only: on a loaded 2-core machine worker b's re-runs took over 300 s.
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=900)
                 try:
                     calls = [stream_call(client, q) for q in streams] + [plain_call(client, q) for q in plain]
                     *got, b_proc = await asyncio.gather(*calls, killer())
