@@ -1,12 +1,15 @@
 """Turn each sequence's last-position logits into its next token, on the logits' own device.
 
-Greedy rows take the argmax. Sampled rows go through penalties, temperature and the top-k / top-p /
-min-p filters, then an exponential race: argmax(p / E) with E ~ Exp(1) picks token i with
-probability p_i. A seeded request's E does not depend on what else shares the batch: on CUDA every
-seeded row's noise comes from one Philox launch keyed by (seed, draw number) (kernels/sampling.py);
-elsewhere from the request's own generator. Every step is vectorised over the batch; the per-request
-settings travel to the device as one small tensor each (from pinned memory on CUDA, so the host does not
-wait), and only the chosen ids (and requested logprobs) come back.
+Greedy rows take the argmax. Sampled rows go through penalties and temperature, then:
+- with a top-k, top-p or min-p filter, an exponential race among the most likely few tokens (a top-k of
+  the logits, not a sort of the vocabulary): argmax(p / E) with E ~ Exp(1) picks kept token i with
+  probability p_i (renormalised); a row whose kept set might reach past those few is redone exactly;
+- without one, an inverse-CDF draw over the whole vocabulary with one uniform.
+Every random number is a counter-based hash of the row's key (seed, sample index, draws so far) and a
+counter (engine/counter_rng.py), so a seeded request's tokens depend on nothing else in the batch, and
+the same seed gives the same tokens on every device. Every step is vectorised over the batch; the
+per-request settings travel to the device as one small tensor each (from pinned memory on CUDA, so the
+host does not wait), and only the chosen ids (and requested logprobs) come back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.counter_rng import exponential, row_key, uniform
 from engine.outputs import TokenLogprob
 from engine.sequence import Sequence
 
@@ -40,12 +44,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]],
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = _on(logits.device, sampled, torch.long)
-        tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in sampled])
+        whole = len(sampled) == len(seqs)  # no copy of the logits when every row samples
+        tokens[rows] = _sample_rows(logits if whole else logits[rows], [seqs[i] for i in sampled],
+                                    tokens if whole else tokens[rows])
     return _to_host(raw, seqs, tokens)
 
 
-# Devices whose seeded rows draw their noise in one kernel launch (tests add "cpu" to run it interpreted).
-SEEDED_KERNEL_DEVICES = {"cuda"}
+# How many of a row's most likely tokens its filters are decided on when it sets no smaller top-k; a row
+# whose top-p or min-p keeps more than these is redone over the whole vocabulary (exact, slower).
+CANDIDATES = 64
+# Tokens per block of the inverse-CDF draw: block sums first, then one block's cumulative sums.
+BLOCK = 256
 
 
 def _on(device: torch.device, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
@@ -98,36 +107,105 @@ def _hold_back_stops(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[
     return logits.masked_fill(held, float("-inf"))
 
 
-def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = _row_values(seqs, "temperature", logits.device)
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor) -> torch.Tensor:
+    """Sampled rows' tokens: rows with a top-k, top-p or min-p filter race among their candidates; the
+    others draw by inverse CDF over the whole vocabulary. ``argmax`` holds each row's first maximum."""
+    dev, vocab = logits.device, logits.shape[1]
+    keys = _on(dev, [_row_key(s) for s in seqs], torch.int64)[:, None]
+    temps = _row_values(seqs, "temperature", dev)
+    filtered = [i for i, s in enumerate(seqs) if _filters(s, vocab)]
+    plain = [i for i, s in enumerate(seqs) if not _filters(s, vocab)]
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
+    for rows, draw in ((filtered, _candidate_race), (plain, _inverse_cdf)):
+        if rows:
+            idx = _on(dev, rows, torch.long)
+            whole = len(rows) == len(seqs)  # take the tensors as they are: no copy of the logits
+            tokens[idx] = draw(logits if whole else logits[idx], temps if whole else temps[idx],
+                               keys if whole else keys[idx], argmax if whole else argmax[idx],
+                               seqs if whole else [seqs[i] for i in rows])
+    return tokens
+
+
+def _row_key(seq: Sequence) -> int:
+    """(seed + sample index, draws so far) for a seeded row, as the engine seeds each of a request's
+    samples; a fresh key from torch's generator for the others."""
+    if seq.params.seed is None:
+        return int(torch.randint(-(2**63), 2**63 - 1, ()))
+    return row_key(seq.params.seed + seq.index, seq.num_output_tokens)
+
+
+def _filters(seq: Sequence, vocab: int) -> bool:
+    p = seq.params
+    return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
+
+
+def _candidate_race(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, argmax: torch.Tensor,
+                    seqs: list[Sequence]) -> torch.Tensor:
+    """The exponential race argmax(log p - log E) over the tokens the filters keep, E ~ Exp(1) keyed by
+    token id, so the winner does not depend on how the kept set was found. Filters are decided on the
+    ``k`` most likely tokens alone (a top-k, not a sort of the vocabulary); a row whose kept set might
+    reach past them (a top-p or min-p without a top-k that small) is redone over the whole vocabulary."""
+    dev, vocab = logits.device, logits.shape[1]
+    k = min(vocab, max(s.params.top_k if 0 < s.params.top_k < vocab else CANDIDATES for s in seqs))
+    vals, ids = logits.topk(k, dim=-1)  # descending
+    rel = (vals - vals[:, :1]) / temps  # log(p / p_max), float32 as the logits
+    top_k = _on(dev, [s.params.top_k or vocab for s in seqs], torch.long)[:, None]
+    top_p, min_p = _row_values(seqs, "top_p", dev), _row_values(seqs, "min_p", dev)
+    rank = torch.arange(k, device=dev)[None, :]
+    drop = (rank >= top_k) | (rel < torch.log(min_p))
+    if any(s.params.top_p < 1 for s in seqs):
+        # p relative to the whole vocabulary: one pass of exp((x - max) / T) for the normaliser.
+        inv_t = 1.0 / temps
+        z = torch.addcmul(-vals[:, :1] * inv_t, logits, inv_t).exp_().sum(dim=-1, keepdim=True)
+        probs = rel.exp() / z
+        before = probs.cumsum(dim=-1) - probs
+        drop |= (before >= top_p) & (top_p < 1)
+        reached = (before[:, -1:] + probs[:, -1:] >= top_p) & (top_p < 1)
+    else:
+        reached = torch.zeros_like(top_p, dtype=torch.bool)
+    drop[:, 0] = False  # the most likely token always survives
+    # Exact on the candidates when the row's kept set ends within them: its top-k fits, or the top-p
+    # mass or the min-p bound is reached by the last candidate.
+    exact = (top_k <= k) | reached | (rel[:, -1:] < torch.log(min_p)) | (k == vocab)
+    score = rel.double().masked_fill_(drop, float("-inf")) - exponential(keys, ids).log_()
+    tokens = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
+    redo = exact[:, 0].logical_not().nonzero()[:, 0].tolist()  # a sync, as .tolist() of the tokens is anyway
+    if redo:
+        tokens[redo] = _full_race(logits[redo], temps[redo], keys[redo], [seqs[i] for i in redo])
+    return tokens
+
+
+def _full_race(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The same race over the whole vocabulary, the filters applied to the sorted distribution."""
     probs = _filter(torch.softmax(logits / temps, dim=-1), seqs)
-    return (probs / _exponential_noise(probs, seqs)).argmax(dim=-1)
+    ids = torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
+    return (probs.double().log_() - exponential(keys, ids).log_()).argmax(dim=-1)
 
 
-def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Exp(1) noise shaped like ``probs``: one draw for every unseeded row, then the seeded rows: on CUDA
-    all in one launch keyed by (seed + sample index, tokens drawn so far), as the engine seeds each
-    sample; elsewhere each from its own generator (made by the engine on the logits' device)."""
-    noise = torch.empty_like(probs)
-    kernel = probs.device.type in SEEDED_KERNEL_DEVICES
-    seeded = [i for i, s in enumerate(seqs) if (s.params.seed is not None if kernel else s.generator is not None)]
-    if len(seeded) < len(seqs):
-        noise.exponential_()  # seeded rows are overwritten below
-    if seeded and kernel:
-        from kernels.sampling import philox_keys, seeded_exponential
-
-        keys = philox_keys([(seqs[i].params.seed or 0) + seqs[i].index for i in seeded],
-                           [seqs[i].num_output_tokens for i in seeded])
-        return seeded_exponential(noise, _on(probs.device, seeded, torch.long), _on(probs.device, keys, torch.int64))
-    for i in seeded:
-        noise[i].exponential_(generator=seqs[i].generator)
-    return noise
+def _inverse_cdf(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, argmax: torch.Tensor,
+                 seqs: list[Sequence]) -> torch.Tensor:
+    """One uniform u per row, and the first token whose cumulative mass (in token id order) passes u
+    times the total: exp((x - max) / T) once, summed in blocks, then the cumulative sums in float64 over
+    the blocks and within the chosen block only, so no [N, V] cumsum or float32 drift."""
+    n, vocab = logits.shape
+    top = logits.gather(1, argmax[:, None])
+    inv_t = 1.0 / temps
+    e = torch.addcmul(-top * inv_t, logits, inv_t).exp_()
+    if vocab % BLOCK:
+        e = torch.nn.functional.pad(e, (0, BLOCK - vocab % BLOCK))
+    blocks = e.view(n, -1, BLOCK)
+    cum = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = uniform(keys, torch.full_like(keys, -1)) * cum[:, -1:]
+    b = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)
+    target -= torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(n, device=logits.device), b[:, 0]].double().cumsum(dim=-1)
+    j = torch.searchsorted(inner, target, right=True).clamp_(max=BLOCK - 1)
+    return (b[:, 0] * BLOCK + j[:, 0]).clamp_(max=vocab - 1)
 
 
 def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The exact filters over the sorted vocabulary (probs [N, V]): kept tokens keep their p, others 0."""
     vocab = probs.shape[1]
-    if all((s.params.top_k or vocab) >= vocab and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs):
-        return probs  # decided on the host: no device sync
     dev = probs.device
     top_k = _on(dev, [s.params.top_k or vocab for s in seqs], torch.long)[:, None]
     top_p, min_p = _row_values(seqs, "top_p", dev), _row_values(seqs, "min_p", dev)
