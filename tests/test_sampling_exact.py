@@ -1,12 +1,15 @@
 """The sampler's counter-based draws (engine/counter_rng.py, engine/sampler.py): the hash is SplitMix64
 on every device, each sampling path draws from the exact filtered softmax (chi-square against it), the
 top-k candidates decide what the whole sorted vocabulary would, and a seeded row's tokens do not depend
-on what shares its batch. Random inputs from a printed seed."""
+on what shares its batch; each with the C++ passes over the vocabulary (kernels/cpu/sampling.cpp, on
+CPU) and with PyTorch's, which the ops are also checked against directly. Random inputs from a printed
+seed."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +27,18 @@ from engine.sequence import Sequence
 def on_test_device() -> Iterator[None]:
     with torch.device(TEST_DEVICE):
         yield
+
+
+@pytest.fixture(params=["torch", "cpp"])
+def kernels(request: pytest.FixtureRequest) -> Any:
+    """None: PyTorch's passes; or the C++ ops the model runner hands the sampler on CPU."""
+    if request.param == "torch":
+        return None
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the C++ ops are CPU ops")
+    from kernels import cpu_fused
+
+    return cpu_fused
 
 
 def _seq(i: int, params: SamplingParams, drawn: int = 0) -> Sequence:
@@ -77,7 +92,8 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> list[float]:
     (dict(temperature=0.8, top_p=0.9, top_k=6, min_p=0.02), 64),
     (dict(temperature=0.8, top_p=0.9), 2),  # too few candidates: the whole vocabulary, redone
 ])
-def test_every_path_samples_the_filtered_softmax(settings: dict, candidates: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_path_samples_the_filtered_softmax(settings: dict, candidates: int, kernels: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler, "CANDIDATES", candidates)
     rng = random.Random(fresh_seed())
     logits = torch.full((VOCAB,), float("-inf"))
@@ -85,7 +101,7 @@ def test_every_path_samples_the_filtered_softmax(settings: dict, candidates: int
     first = rng.randrange(2**40)
     n = 6000
     seqs = [_seq(i, SamplingParams(seed=first + i, **settings)) for i in range(n)]
-    tokens = sample(logits.expand(n, -1).clone(), seqs, [set()] * n).token_ids
+    tokens = sample(logits.expand(n, -1).clone(), seqs, [set()] * n, kernels).token_ids
     want = _expected(logits, seqs[0].params)
     counts = [tokens.count(t) for t in LIVE]
     assert sum(counts) == n, "only live tokens are drawn"
@@ -102,7 +118,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
                           seed=rng.choice([None, rng.randrange(10**6)]))
 
 
-def test_candidates_decide_what_the_whole_vocabulary_would(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_candidates_decide_what_the_whole_vocabulary_would(kernels: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same tokens whether the filters run on the default top-k of candidates, on a single candidate
     (every top-p / min-p row redone) or on the whole vocabulary: the noise is keyed by token id."""
     rng = random.Random(fresh_seed())
@@ -113,18 +129,24 @@ def test_candidates_decide_what_the_whole_vocabulary_would(monkeypatch: pytest.M
     results = []
     for candidates in (sampler.CANDIDATES, 1, vocab):
         monkeypatch.setattr(sampler, "CANDIDATES", candidates)
-        results.append(sample(logits.clone(), [_seq(i, p, 3) for i, p in enumerate(params)], [set()] * n).token_ids)
+        results.append(sample(logits.clone(), [_seq(i, p, 3) for i, p in enumerate(params)], [set()] * n,
+                              kernels).token_ids)
     assert results[0] == results[1] == results[2]
+    monkeypatch.setattr(sampler, "CANDIDATES", 64)
+    other = None if kernels is not None else _cpu_ops()
+    if other is not None:  # and the same whichever passes ran
+        assert sample(logits.clone(), [_seq(i, p, 3) for i, p in enumerate(params)], [set()] * n,
+                      other).token_ids == results[0]
 
 
-def test_a_seeded_row_draws_the_same_alone_and_in_any_batch() -> None:
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(kernels: Any) -> None:
     rng = random.Random(fresh_seed())
     vocab = 1000
     gen = torch.Generator(TEST_DEVICE).manual_seed(rng.randrange(2**31))
     for mine in (SamplingParams(temperature=0.9, seed=rng.randrange(10**6)),
                  SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=rng.randrange(10**6))):
         row = torch.randn(vocab, generator=gen)
-        alone = [sample(row[None].clone(), [_seq(0, mine, d)], [set()]).token_ids[0] for d in range(6)]
+        alone = [sample(row[None].clone(), [_seq(0, mine, d)], [set()], kernels).token_ids[0] for d in range(6)]
         assert len(set(alone)) > 1, "each draw is keyed anew"
         for _ in range(3):
             others = [_random_params(rng) for _ in range(rng.randint(1, 12))]
@@ -134,7 +156,8 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch() -> None:
             for d in range(6):
                 logits = torch.randn(len(batch), vocab, generator=gen)
                 logits[at] = row
-                got.append(sample(logits, [_seq(i, p, d) for i, p in enumerate(batch)], [set()] * len(batch)).token_ids[at])
+                seqs = [_seq(i, p, d) for i, p in enumerate(batch)]
+                got.append(sample(logits, seqs, [set()] * len(batch), kernels).token_ids[at])
             assert got == alone
 
 
@@ -148,3 +171,45 @@ def test_unseeded_rows_follow_torchs_generator() -> None:
     assert sample(logits.clone(), seqs, [set()] * 4).token_ids == first
     draws = {tuple(sample(logits.clone(), seqs, [set()] * 4).token_ids) for _ in range(3)}
     assert len(draws) == 3
+
+
+def _cpu_ops() -> Any:
+    if TEST_DEVICE != "cpu":
+        return None
+    from kernels import cpu_fused
+
+    return cpu_fused
+
+
+def test_cpp_topk_and_block_sums_equal_torch() -> None:
+    """kernels/cpu/sampling.cpp against torch: widths around the 16-lane chunks, k from 1 to V, rows with
+    -inf and repeated values (ties: the lower id first)."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the C++ ops are CPU ops")
+    from kernels.cpu_fused import exp_block_sums, topk_rows
+
+    rng = random.Random(fresh_seed())
+    for _ in range(60):
+        rows, width = rng.randint(1, 9), rng.choice([1, 7, 16, 17, 33, 256, 300, 1000, 49152])
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        logits = 3 * torch.randn(rows, width, generator=gen)
+        if rng.random() < 0.3:  # few distinct values: ties everywhere
+            logits = torch.randint(-3, 4, (rows, width), generator=gen).float()
+        if rng.random() < 0.3 and width > 1:  # column 0 stays finite: a row's max is
+            logits[rng.randrange(rows), [rng.randrange(1, width) for _ in range(width // 2 + 1)]] = float("-inf")
+        k = rng.choice([1, 2, 50, 64, width])
+        k = min(k, width)
+        vals, ids = topk_rows(logits, k)
+        want = logits.topk(k, dim=-1).values
+        assert torch.equal(vals, want)
+        assert torch.equal(logits.gather(1, ids), vals)
+        for r in range(rows):  # ties in id order, and no id twice
+            pairs = list(zip(vals[r].tolist(), ids[r].tolist(), strict=True))
+            assert pairs == sorted(pairs, key=lambda p: (-p[0], p[1])) and len(set(ids[r].tolist())) == k
+        shift = logits.max(dim=-1).values
+        inv_t = torch.tensor([rng.choice([0.5, 1.0, 1.7]) for _ in range(rows)])
+        block = rng.choice([16, 64, 256])
+        got = exp_block_sums(logits, shift, inv_t, block)
+        e = ((logits - shift[:, None]) * inv_t[:, None]).double().exp()
+        e = torch.nn.functional.pad(e, (0, -width % block))
+        assert torch.allclose(got, e.view(rows, -1, block).sum(-1), rtol=1e-5, atol=1e-30)
