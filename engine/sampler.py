@@ -119,7 +119,7 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tenso
     """Sampled rows' tokens: rows with a top-k, top-p or min-p filter race among their candidates; the
     others draw by inverse CDF over the whole vocabulary. ``argmax`` holds each row's first maximum."""
     dev, vocab = logits.device, logits.shape[1]
-    keys = _on(dev, [_row_key(s) for s in seqs], torch.int64)[:, None]
+    keys = _on(dev, _row_keys(seqs), torch.int64)[:, None]
     temps = _row_values(seqs, "temperature", dev)
     filtered = [i for i, s in enumerate(seqs) if _filters(s, vocab)]
     plain = [i for i, s in enumerate(seqs) if not _filters(s, vocab)]
@@ -134,12 +134,12 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tenso
     return tokens
 
 
-def _row_key(seq: Sequence) -> int:
+def _row_keys(seqs: list[Sequence]) -> list[int]:
     """(seed + sample index, draws so far) for a seeded row, as the engine seeds each of a request's
-    samples; a fresh key from torch's generator for the others."""
-    if seq.params.seed is None:
-        return int(torch.randint(-(2**63), 2**63 - 1, ()))
-    return row_key(seq.params.seed + seq.index, seq.num_output_tokens)
+    samples; fresh keys from torch's generator for the others."""
+    fresh = iter(torch.randint(-(2**63), 2**63 - 1, (sum(s.params.seed is None for s in seqs),)).tolist())
+    return [row_key(s.params.seed + s.index, s.num_output_tokens) if s.params.seed is not None else next(fresh)
+            for s in seqs]
 
 
 def _filters(seq: Sequence, vocab: int) -> bool:
