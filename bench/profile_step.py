@@ -6,12 +6,21 @@ milliseconds per step by category. Compare backends or dtypes with the flags, e.
 
     python bench/profile_step.py --batch 160 --context 250 --attention-backend torch   # PyTorch gather path
     python bench/profile_step.py --batch 160 --context 250                              # C++ op
+    python bench/profile_step.py --batch 256 --compare-sampling 6    # greedy vs sampled steps, interleaved
+
+``--compare-sampling R`` times R rounds of decode steps on the same running batch, each round one step
+per sampling setting (greedy; then the benchmark's sampled workload's T=0.8, top_p 0.95, top_k 50 and
+T=0.8 alone, both seeded per sequence, switched on the running sequences), and prints each setting's
+median step time against greedy's: a ratio from one process and one batch, so a busy machine skews
+every setting alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -54,7 +63,8 @@ def categorize(events: list) -> dict[str, float]:
             totals["norms, rotary, SiLU (C++ ops)"] += e.cpu_time_total
         elif name in CATEGORIES:
             totals[CATEGORIES[name]] += e.cpu_time_total
-        elif name in ("aten::argmax", "aten::max", "aten::softmax", "aten::topk", "aten::sort", "sluice::argmax_rows"):
+        elif name in ("sluice::sample", "aten::argmax", "aten::max", "aten::softmax", "aten::topk", "aten::sort",
+                      "sluice::argmax_rows"):
             totals["sampling"] += e.cpu_time_total
     return totals
 
@@ -70,13 +80,16 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", type=int, default=0, help="also print the N ops with the most self time")
+    ap.add_argument("--kv-cache-gb", type=float, default=6.0)
+    ap.add_argument("--compare-sampling", type=int, default=0, metavar="R",
+                    help="instead of profiling: R rounds of greedy vs sampled steps, interleaved")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
-              kv_cache_memory=6 << 30)
+              kv_cache_memory=int(args.kv_cache_gb * (1 << 30)))
     rng = random.Random(args.seed)
     vocab = llm.hf_config.vocab_size
-    gen = args.context - args.prompt_len + args.steps + 8
+    gen = args.context - args.prompt_len + max(args.steps, len(SETTINGS) * args.compare_sampling) + 8
     for i in range(args.batch):
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
         llm.add_request(Request(f"p{i}", prompt_token_ids=prompt,
@@ -87,6 +100,9 @@ def main() -> None:
     print(f"warm-up to context {args.context}: {time.perf_counter() - t0:.1f} s, running {llm.num_running}, "
           f"backend {type(llm.runner.backend).__name__}, dtype {llm.dtype}, linear {llm.cpu_linear}, "
           f"threads {torch.get_num_threads()}")
+    if args.compare_sampling:
+        compare_sampling(llm, args.compare_sampling)
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -108,6 +124,34 @@ def main() -> None:
         print("\n| op | calls / step | self ms / step |\n|---|---|---|")
         for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[: args.ops]:
             print(f"| {a.key} | {a.count / args.steps:.0f} | {a.self_cpu_time_total / 1e3 / args.steps:.1f} |")
+
+
+SETTINGS = {
+    "greedy": {},
+    "T=0.8, top_p 0.95, top_k 50, seeded": dict(temperature=0.8, top_p=0.95, top_k=50),
+    "T=0.8, seeded": dict(temperature=0.8),
+}
+
+
+def compare_sampling(llm: LLM, rounds: int) -> None:
+    """Median decode step per sampling setting, the settings taking turns step by step."""
+    base = {s.seq_id: s.params for s in llm.scheduler.running}
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for _ in range(rounds):
+        for name, kw in SETTINGS.items():
+            for s in llm.scheduler.running:
+                seed = {"seed": s.seq_id} if kw else {}
+                s.params = dataclasses.replace(base[s.seq_id], **kw, **seed)
+            t0 = time.perf_counter()
+            llm.step()
+            times[name].append(time.perf_counter() - t0)
+    batch = llm.num_running
+    greedy = statistics.median(times["greedy"])
+    print(f"\ndecode steps at batch {batch}, {rounds} rounds, median ms per step")
+    print("| sampling | ms / step | vs greedy |\n|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.1f} | {greedy / med:.3f}x tok/s |")
 
 
 if __name__ == "__main__":

@@ -292,9 +292,6 @@ class LLM(Intake[_RequestState, Completion]):
         seq = Sequence(next(self._seq_ids), request.request_id, index, list(prompt_ids), len(prompt_ids), p,
                        arrival_time=arrival, lora=request.lora)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
-        if p.seed is not None:
-            # On the logits' device: the sampler draws there, and a generator serves one device.
-            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + index)
         if p.logprobs is not None:
             seq.logprobs = []
         if p.prompt_logprobs is not None:

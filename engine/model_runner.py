@@ -46,8 +46,6 @@ class ModelRunner:
         self.kernels = elementwise_kernels(self.backend, device)
         if hasattr(model, "use_fused_kernels"):  # the native path; the transformers path runs its own layers
             model.use_fused_kernels(self.kernels)
-        # Greedy rows' argmax: the C++ op's single pass where it is built, else torch.
-        self.first_max = getattr(self.kernels, "argmax", None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.decode_runner: DecodeGraphRunner | None = None
@@ -173,7 +171,8 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden)  # sampled where it lies: only token ids come back
         apply_guided_masks(logits, samplers)  # structured output: masks the constrained rows in place
-        out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers], self.first_max)
+        with torch.profiler.record_function("sluice::sample"):  # one row in bench/profile_step.py's table
+            out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers], self.kernels)
         return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:

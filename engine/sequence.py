@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-import torch
-
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -30,7 +28,6 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     detok: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None  # per-request RNG when seeded
     guide: Any = None  # engine.guided.Guide when the request asks for structured output
     think: Any = None  # engine.reasoning.ThinkState for a chat request to a reasoning model
     lora: str | None = None  # the LoRA adapter's name; None: the base model

@@ -1,7 +1,7 @@
 """The decoder layer's elementwise work as C++ CPU ops (``kernels/cpu/fused.cpp``): residual add + RMSNorm,
 rotary embedding in place, SiLU(gate) * up. The same functions, with the same arguments, as the Triton
 kernels in ``kernels/fused.py``, so the model takes either set; and greedy sampling's argmax
-(``kernels/cpu/argmax.cpp``). Built and loaded with the attention op (``kernels/cpu_ops.py``)."""
+(``kernels/cpu/argmax.cpp``) and sampling's top-k and block sums of exp (``kernels/cpu/sampling.cpp``). Built and loaded with the attention op (``kernels/cpu_ops.py``)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of float32 ``logits [N, V]`` (NaN counts as the largest), as
     ``logits.max(dim=-1).indices`` picks it, in one pass."""
     return load().argmax_rows(logits)
+
+
+def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of float32 ``logits [N, V]`` and their ids, in descending order (of
+    equal values the lower id first), as ``logits.topk(k)`` in one read of each row."""
+    return load().topk_rows(logits, k)
+
+
+def exp_block_sums(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, ceil(V / block)] float64 sums of ``exp((logits - shift) * inv_t)`` over blocks of ``block``
+    columns (``shift``, ``inv_t`` [N] float32), without the [N, V] temporary."""
+    return load().exp_block_sums(logits, shift, inv_t, block)

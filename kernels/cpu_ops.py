@@ -1,5 +1,6 @@
 """Build (once, cached) and load the C++ CPU ops in ``kernels/cpu/``: paged attention, the KV-cache write,
-the decoder layer's fused elementwise ops and greedy argmax (wrapped in ``kernels/cpu_fused.py``).
+the decoder layer's fused elementwise ops, greedy argmax and sampling's passes over the vocabulary
+(wrapped in ``kernels/cpu_fused.py``).
 
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
@@ -27,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
-                                                           "argmax.cpp")]
+                                                           "argmax.cpp", "sampling.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "common.h"]  # included by the sources; hashed with them
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).

@@ -1,6 +1,7 @@
 """The vectorised sampler against a copy of the per-row sampler it replaced (kept below, in this test,
-as the reference): same tokens and logprobs for greedy and seeded rows, penalties, min_tokens hold-back
-and filters included. Random logits and settings from a printed seed."""
+as the reference, its noise drawn as the sampler keys it): same tokens and logprobs for greedy and seeded
+rows, penalties, min_tokens hold-back and filters included, the filters over the whole sorted vocabulary
+where the sampler decides them on a top-k. Random logits and settings from a printed seed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from helpers import TEST_DEVICE, fresh_seed
 
+from engine.counter_rng import exponential, row_key, uniform
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -75,16 +77,20 @@ def _ref_sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         drop = (rank >= top_k[:, None]) | (before >= top_p[:, None]) | (sorted_p < min_p[:, None] * sorted_p[:, :1])
         drop[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
-    noise = torch.empty_like(probs)
-    if TEST_DEVICE == "cpu":
-        for i, s in enumerate(seqs):
-            noise[i].exponential_(generator=s.generator)
-    else:  # on CUDA the sampler keys every seeded row's noise by (seed, draw) in one launch: the same here
-        from kernels.sampling import philox_keys, seeded_exponential
-
-        keys = philox_keys([(s.params.seed or 0) + s.index for s in seqs], [s.num_output_tokens for s in seqs])
-        seeded_exponential(noise, torch.arange(len(seqs)), torch.tensor(keys))
-    return (probs / noise).argmax(dim=-1)
+    # The noise as the sampler keys it (engine/counter_rng.py), drawn here over the whole vocabulary: the
+    # race over the kept tokens for a filtered row, one float64 cumsum's inverse CDF for the others.
+    keys = torch.tensor([row_key((s.params.seed or 0) + s.index, s.num_output_tokens) for s in seqs])[:, None]
+    out = []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if 0 < p.top_k < probs.shape[1] or p.top_p < 1 or p.min_p > 0:
+            noise = exponential(keys[i:i + 1], torch.arange(probs.shape[1])[None, :])[0]
+            out.append(int((probs[i].double().log() - noise.log()).argmax()))
+        else:
+            cum = probs[i].double().cumsum(0)
+            u = uniform(keys[i:i + 1], torch.full((1, 1), -1))[0]
+            out.append(int(torch.searchsorted(cum, u * cum[-1], right=True)))
+    return torch.tensor(out)
 
 
 def _ref_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
@@ -130,16 +136,14 @@ def _random_params(rng: random.Random) -> SamplingParams:
 
 
 def _batch(rng: random.Random, n: int) -> tuple[list[Sequence], list[Sequence], list[set[int]]]:
-    """Two copies of the same ``n`` sequences, each copy with its own generators (same seeds)."""
+    """Two copies of the same ``n`` sequences (same seeds)."""
     ours, ref, stops = [], [], []
     for i in range(n):
         p = _random_params(rng)
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
         output = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]
         for copy in (ours, ref):
-            seq = Sequence(i, f"r{i}", 0, prompt + output, len(prompt), p)
-            seq.generator = torch.Generator(device=TEST_DEVICE).manual_seed(p.seed)
-            copy.append(seq)
+            copy.append(Sequence(i, f"r{i}", 0, prompt + output, len(prompt), p))
         stops.append({rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))})
     return ours, ref, stops
 
@@ -150,7 +154,7 @@ def test_device_sampler_matches_the_per_row_sampler(n: int) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     ours, ref, stops = _batch(rng, n)
-    for _ in range(5):  # several steps: each seeded generator advances identically on both sides
+    for _ in range(5):  # several steps: each seeded row draws anew, identically on both sides
         logits = 3 * torch.randn(n, VOCAB)
         logits[:, rng.randrange(VOCAB)] += 4  # a clear favourite, sometimes a stop id held back
         got = sample(logits.clone(), ours, stops)

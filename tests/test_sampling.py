@@ -135,8 +135,8 @@ def test_greedy_takes_the_first_of_tied_maxima(first_max: str) -> None:
         tied = sorted(rng.sample(range(vocab), rng.randint(2, 5)))
         logits[row, tied] = 100.0
         firsts.append(tied[0])
-    argmax = cpu_fused.argmax if first_max == "cpp" else None
-    assert sample(logits, seqs, [set() for _ in seqs], argmax).token_ids == firsts
+    kernels = cpu_fused if first_max == "cpp" else None
+    assert sample(logits, seqs, [set() for _ in seqs], kernels).token_ids == firsts
 
 
 def test_cpp_argmax_is_torch_max_on_ties_nan_and_infinities() -> None:
