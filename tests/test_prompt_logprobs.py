@@ -51,23 +51,29 @@ def _reference(hf: object, prompt: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)  # type: ignore[operator]
 
 
-def _check(hf: object, prompt: list[int], got: list, k: int) -> float:
-    """Max abs difference of the prompt tokens' logprobs and the top-k's; the top-k ids must match
-    wherever the reference's own values are not a near-tie."""
+def _check(hf: object, prompt: list[int], got: list, k: int) -> tuple[float, int]:
+    """Max abs difference of the prompt tokens' logprobs and the top-k's, and how many ranks are exact;
+    the top-k ids and the ranks must match wherever the reference's own values are not a near-tie."""
     ref = _reference(hf, prompt)
     assert got[0] is None and len(got) == len(prompt)
-    worst = 0.0
+    worst, exact_ranks = 0.0, 0
     for p in range(1, len(prompt)):
         e, row = got[p], ref[p - 1]
         assert e.token_id == prompt[p]
         worst = max(worst, abs(e.logprob - float(row[prompt[p]])))
+        # The rank: 1 + how many tokens are likelier; a token within TOL of the prompt token may count
+        # either way. A random model's logits are dense (a few tokens within TOL), so the ranks must
+        # also be exact almost everywhere (checked by the caller).
+        assert e.rank is not None
+        assert 1 + int((row > row[prompt[p]] + TOL).sum()) <= e.rank <= 1 + int((row > row[prompt[p]] - TOL).sum())
+        exact_ranks += e.rank == 1 + int((row > row[prompt[p]]).sum())
         top_lp, top_id = row.topk(k)
         assert len(e.top) == k
         worst = max(worst, max(abs(lp - float(r)) for (_, lp), r in zip(e.top, top_lp, strict=True)))
         for j, (tid, _) in enumerate(e.top):
             if tid != int(top_id[j]):
                 assert abs(float(row[tid]) - float(top_lp[j])) <= TOL, f"position {p}: top-{j} differs"
-    return worst
+    return worst, exact_ranks
 
 
 @pytest.mark.parametrize(("prefix_caching", "budget"), [(True, 4096), (True, 24), (False, 24), (False, 4096)])
@@ -84,9 +90,12 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir: Path, hf: object, pr
             for i, p in enumerate(prompts)]
     plain = Request("plain", prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=2))
     done = {c.request_id: c for c in llm.generate([*reqs, plain])}
-    worst = max(_check(hf, r.prompt_token_ids or [], done[r.request_id].prompt_logprobs or [], K) for r in reqs)
-    print(f"max abs diff vs transformers log_softmax: {worst:.2e}")
+    checks = [_check(hf, r.prompt_token_ids or [], done[r.request_id].prompt_logprobs or [], K) for r in reqs]
+    worst, exact = max(w for w, _ in checks), sum(e for _, e in checks)
+    positions = sum(len(r.prompt_token_ids or []) - 1 for r in reqs)
+    print(f"max abs diff vs transformers log_softmax: {worst:.2e}; exact ranks {exact}/{positions}")
     assert worst <= TOL
+    assert exact >= 0.9 * positions
     assert done["plain"].prompt_logprobs is None
     assert done["plain"].token_ids == done["r0"].token_ids  # scoring changes nothing generated
     if prefix_caching:  # the plain request still takes the cached prefix; the scored ones recompute it
