@@ -121,12 +121,20 @@ def test_silu_and_mul(rng: random.Random, kernels: ModuleType, dtype: torch.dtyp
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: ModuleType) -> None:
+@pytest.mark.parametrize("kernels,mlp_passes", [pytest.param(fused, False, id="triton"), pytest.param(cpu_fused, False, id="cpp"),
+                                                pytest.param(cpu_fused, True, id="cpp-passes")])
+def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: ModuleType, mlp_passes: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's switch to the fused kernels (Triton's with Triton attention on CUDA, the C++ ops with
     the C++ attention op): a packed step of prompt chunks through the whole tiny model gives the eager
-    model's hidden states."""
+    model's hidden states; also with the C++ path's MLP in passes of a few rows (as a long step runs it)."""
     from transformers import LlamaConfig
+
+    from engine.models import llama
+
+    if mlp_passes:
+        monkeypatch.setattr(llama, "MLP_MIN_ROWS", 1)
+        monkeypatch.setattr(cpu_fused, "MLP_BLOCK_BYTES", rng.randint(3, 20) * 2 * 128 * 4)
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
