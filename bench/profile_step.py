@@ -13,6 +13,11 @@ per sampling setting (greedy; then the benchmark's sampled workload's T=0.8, top
 T=0.8 alone, both seeded per sequence, switched on the running sequences), and prints each setting's
 median step time against greedy's: a ratio from one process and one batch, so a busy machine skews
 every setting alike.
+
+``--prefill`` profiles prompt steps instead: ``--batch`` distinct prompts of ``--prompt-len`` tokens,
+the first ``--steps`` steps (each a token budget's worth of prompt chunks), as the long-prompt workload::
+
+    python bench/profile_step.py --prefill --batch 8 --prompt-len 2300 --steps 3
 """
 
 from __future__ import annotations
@@ -80,15 +85,24 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", type=int, default=0, help="also print the N ops with the most self time")
-    ap.add_argument("--kv-cache-gb", type=float, default=6.0)
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="default: 6, or 1 with --prefill")
     ap.add_argument("--compare-sampling", type=int, default=0, metavar="R",
                     help="instead of profiling: R rounds of greedy vs sampled steps, interleaved")
+    ap.add_argument("--prefill", action="store_true", help="profile the first prompt steps instead of decodes")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step's token budget")
     args = ap.parse_args()
 
+    budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    # Prompt steps need only their prompts' blocks: a small cache starts quicker (touching 6 GiB took minutes
+    # on a loaded machine).
+    kv_gb = args.kv_cache_gb if args.kv_cache_gb is not None else (1.0 if args.prefill else 6.0)
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.batch,
-              kv_cache_memory=int(args.kv_cache_gb * (1 << 30)))
+              kv_cache_memory=int(kv_gb * (1 << 30)), **budget)
     rng = random.Random(args.seed)
     vocab = llm.hf_config.vocab_size
+    if args.prefill:
+        profile_prefill(llm, args, rng, vocab)
+        return
     gen = args.context - args.prompt_len + max(args.steps, len(SETTINGS) * args.compare_sampling) + 8
     for i in range(args.batch):
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
@@ -108,11 +122,33 @@ def main() -> None:
         for _ in range(args.steps):
             llm.step()
         wall = (time.perf_counter() - t0) / args.steps
+    print(f"\ndecode step at batch {args.batch}, context ~{args.context}: {wall * 1e3:.1f} ms "
+          f"({args.batch / wall:.0f} tok/s)")
+    report(prof, wall, args)
+
+
+def profile_prefill(llm: LLM, args: argparse.Namespace, rng: random.Random, vocab: int) -> None:
+    """The first ``args.steps`` steps over fresh distinct prompts: prompt chunks only, no decodes yet."""
+    for i in range(args.batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+        llm.add_request(Request(f"p{i}", prompt_token_ids=prompt, params=SamplingParams(max_tokens=4, ignore_eos=True)))
+    llm.step()  # the first step also builds and loads what is built on first use: not profiled
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            llm.step()
+        wall = (time.perf_counter() - t0) / args.steps
+    print(f"backend {type(llm.runner.backend).__name__}, dtype {llm.dtype}, linear {llm.cpu_linear}, "
+          f"threads {torch.get_num_threads()}, budget {llm.config.max_num_batched_tokens} tokens")
+    print(f"\nprompt step ({args.batch} prompts of {args.prompt_len} tokens, steps 2-{args.steps + 1}): "
+          f"{wall * 1e3:.1f} ms")
+    report(prof, wall, args)
+
+
+def report(prof: profile, wall: float, args: argparse.Namespace) -> None:
     events = [e for e in prof.events() if e.cpu_parent is None or e.cpu_parent.name.startswith("ProfilerStep")]
     totals = categorize(events)
     step_ms = wall * 1e3
-    print(f"\ndecode step at batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms "
-          f"({args.batch / wall:.0f} tok/s)")
     print("| part | ms / step | share |\n|---|---|---|")
     accounted = 0.0
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):

@@ -121,12 +121,20 @@ def test_silu_and_mul(rng: random.Random, kernels: ModuleType, dtype: torch.dtyp
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: ModuleType) -> None:
+@pytest.mark.parametrize("kernels,mlp_passes", [pytest.param(fused, False, id="triton"), pytest.param(cpu_fused, False, id="cpp"),
+                                                pytest.param(cpu_fused, True, id="cpp-passes")])
+def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: ModuleType, mlp_passes: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's switch to the fused kernels (Triton's with Triton attention on CUDA, the C++ ops with
     the C++ attention op): a packed step of prompt chunks through the whole tiny model gives the eager
-    model's hidden states."""
+    model's hidden states; also with the C++ path's MLP in passes of a few rows (as a long step runs it)."""
     from transformers import LlamaConfig
+
+    from engine.models import llama
+
+    if mlp_passes:
+        monkeypatch.setattr(llama, "MLP_MIN_ROWS", 1)
+        monkeypatch.setattr(cpu_fused, "MLP_BLOCK_BYTES", rng.randint(3, 20) * 2 * 128 * 4)
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
@@ -172,3 +180,35 @@ def test_the_cpp_attention_op_brings_the_cpp_fused_kernels() -> None:
     assert elementwise_kernels(make_backend(EngineConfig(attention_backend="torch"), cpu), cpu) is None
     # Triton's kernels only on CUDA: interpreted on a CPU they would be slower than eager.
     assert elementwise_kernels(make_backend(EngineConfig(attention_backend="triton"), cpu), cpu) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_in_passes_of_rows_matches_it_whole(rng: random.Random, monkeypatch: pytest.MonkeyPatch,
+                                                    dtype: torch.dtype) -> None:
+    """A long step's MLP runs in passes of rows (its intermediate kept in cache): the same rows, in
+    order, as one pass on both GEMM paths; and one pass under a LoRA hook, which indexes the step's rows."""
+    from engine.linear import make_linear
+    from engine.models import llama
+
+    hidden, inter, rows = 48, 80, rng.randint(40, 300)
+    mlp = llama.MLP(hidden, inter, bias=rng.random() < 0.5).to(dtype)
+    x = torch.randn(rows, hidden).to(dtype)
+    with torch.inference_mode():
+        whole = mlp.down_proj(cpu_fused.silu_and_mul(mlp.gate_up_proj(x)))
+        mlp.kernels = cpu_fused
+        assert mlp._block_rows(x) >= rows  # the real budget: a small step runs in one pass
+        per_pass = rng.randint(3, 37)
+        monkeypatch.setattr(llama, "MLP_MIN_ROWS", 1)
+        monkeypatch.setattr(cpu_fused, "MLP_BLOCK_BYTES", per_pass * 2 * inter * x.element_size())
+        assert mlp._block_rows(x) == per_pass
+        calls: list[int] = []
+        hook = mlp.down_proj.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+        assert torch.equal(mlp(x), whole) and calls == [rows], "a hooked layer must see the step's rows at once"
+        hook.remove()
+        for impl in ("aten", "onednn-packed"):
+            if impl == "onednn-packed" and (dtype != torch.float32 or not torch.backends.mkldnn.is_available()):
+                continue
+            mlp.gate_up_proj, mlp.down_proj = (make_linear(impl, lin) for lin in (mlp.gate_up_proj, mlp.down_proj))
+            out = mlp(x)
+            assert out.shape == whole.shape
+            assert relative_error(out, whole.double()) <= TOL[dtype], impl

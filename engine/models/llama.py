@@ -125,6 +125,9 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
+MLP_MIN_ROWS = 256  # fewer rows per GEMM than this cost more in GEMM efficiency than the cache saves
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -135,9 +138,25 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+            rows = self._block_rows(x)
+            if rows < x.shape[0]:
+                return torch.cat([self._fused(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+            return self._fused(x)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.kernels is not None
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+
+    def _block_rows(self, x: torch.Tensor) -> int:
+        """Rows per pass: a long prompt step's ``[T, 2I]`` intermediate would spill out of the last-level
+        cache between the two GEMMs and SiLU (kernels/cpu_fused.py's MLP_BLOCK_BYTES); the rows of a pass
+        are computed exactly as in a whole one. Not under a LoRA hook, which indexes the step's rows."""
+        budget = getattr(self.kernels, "MLP_BLOCK_BYTES", None)
+        if budget is None or self.gate_up_proj._forward_hooks or self.down_proj._forward_hooks:
+            return x.shape[0]
+        return max(MLP_MIN_ROWS, budget // (2 * self.intermediate * x.element_size()))
 
 
 class DecoderLayer(nn.Module):
