@@ -20,8 +20,9 @@ def adapter_rows(names: Sequence[str | None], q_lens: Sequence[int]) -> dict[str
 
 
 def as_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
-    """Rows as a slice where they are one run (a view, no gather), else an index tensor on ``device``."""
-    first, last = int(rows[0]), int(rows[-1])
-    if last - first + 1 == len(rows):
-        return slice(first, last + 1)
+    """Rows as a slice where they are one ascending run (a view, no gather), else an index tensor on
+    ``device``."""
+    first = int(rows[0])
+    if np.array_equal(rows, np.arange(first, first + len(rows))):
+        return slice(first, first + len(rows))
     return torch.from_numpy(rows).to(device)

@@ -4,6 +4,11 @@ A LoRA target is named as in transformers (``model.layers.3.self_attn.q_proj``).
 q/k/v and gate/up are fused, so a target is a column slice of a fused layer's output; on the
 transformers path it is a whole ``nn.Linear``. A forward hook on the layer (whatever runs its GEMM:
 ``nn.Linear``, a packed or quantized replacement) adds each row group's delta to its output in place.
+
+On CPU the hook gathers the step's adapter rows once, grouped by adapter (``LoraStep``, built once per
+step), runs one shrink and one expand per group on contiguous slices of that copy, and adds the deltas
+back with one ``index_add_``: per-group gathers and indexed ``+=`` cost more than the small GEMMs
+themselves (measured: about 0.36x of a layer's base GEMMs at 4 adapters, against 0.16x this way).
 """
 
 from __future__ import annotations
@@ -28,21 +33,12 @@ class Site:
 
 
 @dataclass
-class RowGroup:
-    """One adapter's rows of the step's packed tokens: a slice when contiguous, else an index tensor."""
-
-    adapter: LoraAdapter
-    rows: slice | torch.Tensor
-
-
-@dataclass
 class FusedWeights:
-    """One adapter's targets within one layer's output: A stacked ``[R, in]``, B block-diagonal
-    ``[hi - lo, R]`` over output columns ``lo:hi``, and each rank column's scale ``[R]``."""
+    """One adapter's targets within one layer's output: A stacked ``[R, in]`` with each target's scale
+    folded in, and B block-diagonal ``[hi - lo, R]`` over output columns ``lo:hi``."""
 
     a: torch.Tensor
     b: torch.Tensor
-    scale: torch.Tensor
     lo: int
     hi: int
 
@@ -56,32 +52,55 @@ class KernelStep:
 
 
 @dataclass
+class LoraStep:
+    """The step's rows that take an adapter, as every hook reads them (built once per step). ``rows``
+    lists them grouped by adapter, in ``groups`` order: a slice where they already lie so in the packed
+    batch, else the index that gathers them. Group ``i`` is ``adapters[i]`` on ``bounds[i]:bounds[i+1]``
+    of that order."""
+
+    rows: slice | torch.Tensor
+    adapters: list[LoraAdapter]
+    bounds: list[int]
+    kernel: KernelStep | None = None  # set: one Triton launch per target instead of a matmul pair per group
+
+
+@dataclass
 class LoraHook:
     """The forward hook of one module: adds the deltas of every target that lives in its output."""
 
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (target, offset, width)
-    groups: list[RowGroup] = field(default_factory=list)  # this step's; set by the manager
-    kernel: KernelStep | None = None  # set: one Triton launch per target instead of a matmul pair per group
+    step: LoraStep | None = None  # this step's adapter rows (None: no row takes an adapter); set by the manager
     # Per target: the groups' weights stacked for the kernel, and the adapters they were stacked for.
     stacks: dict[str, tuple[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
         default_factory=dict)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        if not self.groups:
+        step = self.step
+        if step is None:
             return
         x = args[0].reshape(-1, args[0].shape[-1])
         out = output.view(-1, output.shape[-1])
-        if self.kernel is not None:
-            self._launch(x, out, self.kernel)
+        if step.kernel is not None:
+            self._launch(x, out, step)
             return
-        for group in self.groups:
-            f = self._fused(group.adapter)
-            if f is None:
-                continue
-            # peft's B(A(x)) * scale, for every target of this layer at once: the targets' A stacked,
-            # each one's scale on its own rank's columns, and B block-diagonal over their output columns.
-            t = F.linear(x[group.rows], f.a) * f.scale
-            out[group.rows, f.lo : f.hi] += F.linear(t, f.b)
+        fused = [self._fused(a) for a in step.adapters]
+        present = [f for f in fused if f is not None]
+        if not present:
+            return
+        lo, hi = min(f.lo for f in present), max(f.hi for f in present)
+        xs = x[step.rows] if isinstance(step.rows, slice) else x.index_select(0, step.rows)
+        # Every group's delta over columns lo:hi; left uninitialised only where every group writes all of it.
+        whole = len(present) == len(fused) and all(f.lo == lo and f.hi == hi for f in present)
+        delta = (xs.new_empty if whole else xs.new_zeros)(xs.shape[0], hi - lo)
+        for f, start, end in zip(fused, step.bounds, step.bounds[1:], strict=False):
+            if f is not None:
+                # peft's B(A(x)) * scale, for every target of this layer at once: the targets' A stacked
+                # (each scaled), and B block-diagonal over their output columns.
+                torch.mm(F.linear(xs[start:end], f.a), f.b.t(), out=delta[start:end, f.lo - lo : f.hi - lo])
+        if isinstance(step.rows, slice):
+            out[step.rows, lo:hi] += delta
+        else:
+            out[:, lo:hi].index_add_(0, step.rows, delta)
 
     def _fused(self, adapter: LoraAdapter) -> FusedWeights | None:
         """``adapter``'s targets in this layer as one shrink and one expand (made once per adapter)."""
@@ -99,27 +118,28 @@ class LoraHook:
             for (w, off, width), r in zip(parts, ranks, strict=True):
                 b[off - lo : off - lo + width, col : col + r] = w.b
                 col += r
-            scale = torch.cat([like.new_full((r,), w.scale) for (w, _, _), r in zip(parts, ranks, strict=True)])
-            fused = FusedWeights(torch.cat([w.a for w, _, _ in parts]), b, scale, lo, hi)
+            fused = FusedWeights(torch.cat([w.a * w.scale for w, _, _ in parts]), b, lo, hi)
         adapter.fused[key] = fused
         return fused
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, step: KernelStep) -> None:
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep) -> None:
         from kernels.lora import lora_delta_
 
+        assert step.kernel is not None
         for target, offset, width in self.parts:
-            stack = self._stack(target, step.key)
+            stack = self._stack(target, step.kernel.key, step.adapters)
             if stack is not None:
-                lora_delta_(out[:, offset : offset + width], x, step.slots, *stack)
+                lora_delta_(out[:, offset : offset + width], x, step.kernel.slots, *stack)
 
-    def _stack(self, target: str, key: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _stack(self, target: str, key: tuple[str, ...],
+               adapters: list[LoraAdapter]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The groups' A and B for ``target`` as ``[L, R, K]`` and ``[L, N, R]`` (lower ranks zero-padded,
         a group whose adapter skips the target all zeros) and their scales; None if none targets it.
         Rebuilt only when the step's adapters change."""
         cached = self.stacks.get(target)
         if cached is not None and cached[0] == key:
             return cached[1]
-        weights = [g.adapter.modules.get(target) for g in self.groups]
+        weights = [a.modules.get(target) for a in adapters]
         present = [w for w in weights if w is not None]
         stack = None
         if present:

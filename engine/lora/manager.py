@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.lora.adapters import AdapterCache, LoraAdapter, Target
 from engine.lora.batch import adapter_rows, as_index
-from engine.lora.layers import KernelStep, LoraHook, RowGroup, Site, native_targets, transformers_targets
+from engine.lora.layers import KernelStep, LoraHook, LoraStep, Site, native_targets, transformers_targets
 
 
 class LoraManager:
@@ -49,16 +49,19 @@ class LoraManager:
     def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
         """Tell the hooks which packed rows take which adapter in the coming forward pass."""
         rows = adapter_rows(names, q_lens)
-        keep = set(rows)
-        groups = []
-        for name, r in rows.items():
-            adapter = self.cache.get(name, keep)
-            self._hook(adapter)
-            groups.append(RowGroup(adapter, as_index(r, self.device)))
-        kernel = self._kernel_step(rows, sum(q_lens)) if self.use_kernel and rows else None
+        step = None
+        if rows:
+            keep = set(rows)
+            adapters = []
+            for name in rows:
+                adapter = self.cache.get(name, keep)
+                self._hook(adapter)
+                adapters.append(adapter)
+            bounds = np.cumsum([0, *(len(r) for r in rows.values())]).tolist()
+            kernel = self._kernel_step(rows, sum(q_lens)) if self.use_kernel else None
+            step = LoraStep(as_index(np.concatenate(list(rows.values())), self.device), adapters, bounds, kernel)
         for hook in self.hooks.values():
-            hook.groups = groups
-            hook.kernel = kernel
+            hook.step = step
 
     def _kernel_step(self, rows: dict[str, np.ndarray], num_rows: int) -> KernelStep:
         slots = np.full(num_rows, -1, dtype=np.int32)
