@@ -38,6 +38,7 @@ from engine.quant.methods import pick_impl, plan_quantization
 from engine.reasoning import attach_thinking, find_parser, split_output
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.startup_clock import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +56,22 @@ class LLM(Intake[_RequestState, Completion]):
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
         super().__init__()
+        clock = StartupClock()
         self.config = EngineConfig(model=model, **config)
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
         checkpoint_config = load_config(src)
         check_decoder_only(checkpoint_config)  # before anything reads the config as a decoder's
+        clock.lap("config")  # a GGUF model's first load dequantizes it here (engine/loader.py)
         self.dtype = _pick_dtype(self.config.dtype, self.device, src, self.config.cpu_linear)
+        clock.lap("dtype")
         self.model_impl = pick_impl(checkpoint_config, self.config.quantization, self.config.model_impl)
         quant = plan_quantization(checkpoint_config, self.config.quantization, self.model_impl, self.device)
         self.quantization = quant.name
         hf = load_hf_model(src, self.dtype, quant.load_config)
+        clock.lap("weights")
         self.tokenizer = load_tokenizer(src)
+        clock.lap("tokenizer")
         self.hf_config = hf.config
         log.info("model %s: %s implementation, quantization %s, %s", hf.config.model_type, self.model_impl,
                  quant.name, self.parallelism)
@@ -88,11 +94,14 @@ class LLM(Intake[_RequestState, Completion]):
             from engine.parallel.build import start_tensor_parallel
 
             net = start_tensor_parallel(net, src, self.config, hf.config, self.model_impl, self.dtype, self.device, max_len)
+        clock.lap("build")
         self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
                                          self.dtype)
+        clock.lap("gemm")
         del hf
-        self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)
+        self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)  # loads the C++ ops
         self.runner.lora = self.lora
+        clock.lap("ops")
         num_blocks = self._num_blocks(max_len)
         started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
@@ -100,6 +109,7 @@ class LLM(Intake[_RequestState, Completion]):
         log.info("KV cache: %d blocks = %d tokens (%s, %s; %.1f GB, allocated in %.1f s)", num_blocks,
                  num_blocks * self.config.block_size, self.dtype, self.device,
                  num_blocks * self.runner.bytes_per_block() / 1e9, time.perf_counter() - started)
+        clock.lap("kv_cache")
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
@@ -108,6 +118,9 @@ class LLM(Intake[_RequestState, Completion]):
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.max_running_seen = 0
+        clock.lap("rest")
+        self.startup = clock
+        log.info("%s", clock.line())
 
     # ---- the numbers a puller needs -------------------------------------------------------------
     @property

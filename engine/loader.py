@@ -6,9 +6,13 @@ keeps a dense copy of GGUF models, since dequantizing takes tens of seconds on e
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,33 +57,112 @@ def resolve_model(model: str | None) -> ModelSource:
     return ModelSource(str(p.resolve()) if p.exists() else model)
 
 
-def _dense_cache_dir(src: ModelSource) -> Path:
-    root = Path(os.environ.get("SLUICE_MODEL_CACHE") or Path.home() / ".cache" / "sluice" / "dense")
-    gguf = Path(src.path) / str(src.gguf_file)
+DENSE_FORMAT = 2  # bump when what a dense copy holds changes
+MANIFEST = "sluice-dense.json"  # written last: a directory without it (or with another key) is not used
+
+
+def _dense_key(gguf: Path) -> dict[str, Any]:
+    """What a dense copy depends on: the GGUF file (where, its size and mtime to the nanosecond) and the code
+    that dequantized it."""
     st = gguf.stat()
-    return root / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return {"format": DENSE_FORMAT, "gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "transformers": _version("transformers"), "gguf_reader": _version("gguf"), "torch": torch.__version__}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _dense_cache_dir(src: ModelSource, key: dict[str, Any]) -> Path:
+    root = Path(os.environ.get("SLUICE_MODEL_CACHE") or Path.home() / ".cache" / "sluice" / "dense")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"{Path(str(src.gguf_file)).stem}-{digest}"
 
 
 def dense_path(src: ModelSource) -> str:
-    """A directory with dense safetensors for ``src``: GGUF files are dequantized once and cached."""
+    """A directory with dense safetensors for ``src``: GGUF files are dequantized once and cached, keyed by
+    the file and the dequantizing code. A copy whose manifest is missing, names another key or no longer
+    matches its files (a size, an mtime, a safetensors file shorter or longer than its header says) is
+    made again, never read."""
     if src.gguf_file is None:
         return src.path
-    out = _dense_cache_dir(src)
-    if (out / "config.json").exists():
+    key = _dense_key(Path(src.path) / src.gguf_file)
+    out = _dense_cache_dir(src, key)
+    problem = _dense_problem(out, key)
+    if problem is None:
         return str(out)
+    if out.exists():
+        log.warning("not using the dense copy %s (%s): dequantizing again", out, problem)
+    else:
+        log.info("dequantizing %s once into %s", src.gguf_file, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _dequantize(src, tmp)
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(tmp.iterdir()) if f.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"key": key, "files": files}))
+    if out.exists():  # a bad copy: moved aside first, so the rename below is still one atomic step
+        trash = out.with_name(out.name + f".bad{os.getpid()}")
+        out.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        tmp.rename(out)  # atomic: a concurrent loader sees a whole directory or none
+    except OSError:  # another process put its (equal) copy there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def _dequantize(src: ModelSource, out: Path) -> None:
+    """transformers reads the GGUF into dense float32 weights; written to ``out`` as a model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("dequantizing %s once into %s", src.gguf_file, out)
     tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
     # The weights are dense now; drop the GGUF marker so save_pretrained writes plain safetensors.
     model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors and modules
     del model.config.quantization_config
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a concurrent loader sees a whole directory or none
-    return str(out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _dense_problem(out: Path, key: dict[str, Any]) -> str | None:
+    """Why the dense copy in ``out`` cannot be used as it is, or None. Checks sizes, mtimes and each
+    safetensors header against its file's length (no hash: reading every byte would cost more than the
+    rest of a warm start-up)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest" if out.exists() else "none yet"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest: {e}"
+    if not isinstance(manifest, dict) or manifest.get("key") != key or not isinstance(manifest.get("files"), dict):
+        return "its manifest is for another key"
+    for name, recorded in manifest["files"].items():
+        try:
+            st = (out / name).stat()
+        except OSError:
+            return f"{name} is missing"
+        if [st.st_size, st.st_mtime_ns] != recorded:
+            return f"{name} changed since it was written"
+        if name.endswith(".safetensors") and not _safetensors_whole(out / name, st.st_size):
+            return f"{name} does not hold what its header says"
+    return None
+
+
+def _safetensors_whole(path: Path, size: int) -> bool:
+    """Whether a safetensors file is exactly as long as its header's tensors say (a torn or padded copy is not)."""
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n < size else None
+    except (OSError, ValueError):
+        return False
+    if not isinstance(header, dict):
+        return False
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    return 8 + n + max(ends, default=0) == size
 
 
 def _source(model: str | ModelSource | None) -> ModelSource:

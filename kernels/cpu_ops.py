@@ -7,7 +7,9 @@ The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU i
 feature flags, so a cache directory shared between unlike machines never hands one a binary built for
 another, and of where the source and torch are, so two checkouts or virtual environments sharing the
 cache do not rebuild each other's (their build commands differ in those paths). ``scripts/install.sh``
-builds it at install time so a worker's first step does not wait for g++.
+builds it at install time so a worker's first step does not wait for g++. A build that loaded is noted
+(its library's path and SHA-256, in SLUICE_HOME/cache/ops or the user's cache, e.g. ~/.cache/sluice/ops),
+and a later process loads that library directly while it matches, without torch's build check.
 
 A build holds torch's ``lock`` file in its directory, and a process killed -9 mid-build leaves it behind:
 torch would wait on it forever, in every later process. So a build also holds an ``flock`` (the kernel
@@ -19,10 +21,14 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import torch
 
 log = logging.getLogger(__name__)
@@ -67,9 +73,15 @@ def build_dir(name: str) -> Path:
 def load() -> Any:
     """``torch.ops.sluice``, with the compiled op registered; raises if it cannot be built (callers fall
     back to PyTorch)."""
+    name = build_name()
+    if not _load_built(name):
+        _build_and_load(name)
+    return torch.ops.sluice
+
+
+def _build_and_load(name: str) -> None:
     from torch.utils.cpp_extension import load as load_extension
 
-    name = build_name()
     where = build_dir(name)
     log.info("loading the C++ CPU attention op %s (built on first use, then cached)", name)
     with open(where / "sluice.flock", "w") as held:
@@ -78,9 +90,51 @@ def load() -> Any:
         if stale.exists():
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink()
-        load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, is_python_module=False,
-                       verbose=False)
-    return torch.ops.sluice
+        library = load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
+                                 is_python_module=False, verbose=False)
+    _note_built(name, Path(library))
+
+
+# A build found once is loaded directly next time: importing torch.utils.cpp_extension (setuptools) and
+# running ninja to find nothing to do took most of a second of start-up. The note names the library and
+# its SHA-256; the library is loaded only if it still matches, else the build above runs (and re-notes).
+def _note_path(name: str) -> Path:
+    home = os.environ.get("SLUICE_HOME")  # the rule of engine/tuning_cache.py's directory()
+    base = Path(home) / "cache" if home else Path(platformdirs.user_cache_dir("sluice", appauthor=False))
+    return base / "ops" / f"{name}.json"
+
+
+def _note(name: str, library: Path) -> dict[str, Any]:
+    data = library.read_bytes()
+    return {"name": name, "library": str(library), "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "")}
+
+
+def _load_built(name: str) -> bool:
+    """Load the library noted for ``name`` if it is there unchanged; False: build (or check) it instead."""
+    try:
+        note = json.loads(_note_path(name).read_text())
+        library = Path(note["library"])
+        fresh = note == _note(name, library)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not fresh:
+        log.info("the C++ CPU op %s changed since it was noted: checking its build", library)
+        return False
+    torch.ops.load_library(str(library))
+    log.info("loaded the C++ CPU op %s", library)
+    return True
+
+
+def _note_built(name: str, library: Path) -> None:
+    path = _note_path(name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            json.dump(_note(name, library), f)
+        os.replace(f.name, path)
+    except OSError as e:  # a read-only cache: the next process checks the build again, no harm
+        log.info("not noting the C++ CPU op's build in %s: %s", path.parent, e)
 
 
 def available() -> tuple[bool, str]:

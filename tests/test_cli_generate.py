@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import EXIT_SOME_FAILED, cli
@@ -104,3 +106,26 @@ def test_a_stop_token_outside_the_vocabulary_fails_only_its_line(tiny_model_dir:
     assert set(_read(out)) == {"ok1", "ok2"}
     errors = _read(tmp_path / "out.errors.jsonl")
     assert set(errors) == {"bad"} and "stop_token_ids must be in [0, " in errors["bad"]["error"]["message"]
+
+
+def test_a_short_file_gets_a_kv_cache_for_its_own_sequences(tiny_model_dir: Path, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The engine holds no more sequence slots than the file has sequences (n counts), so its KV cache is
+    sized for those at full length, not for 256 of them: allocating the whole default cache was most of a
+    one-line file's start-up."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"custom_id": "a", "prompt": "Hello", "max_tokens": 3}\n'
+                   '{"custom_id": "b", "prompt": "Hi", "max_tokens": 3, "n": 3, "temperature": 0.5, "seed": 1}\n')
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32", "--no-progress"]
+    with caplog.at_level(logging.INFO, logger="engine.llm"):
+        res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    got = _read(out)
+    assert set(got) == {"a", "b"} and len(got["b"]["response"]["body"]["choices"]) == 3
+    per_seq = -(-4096 // 16)  # the tiny model's 4096 positions in blocks of 16
+    assert f"KV cache: {4 * per_seq} blocks" in caplog.text
+    with caplog.at_level(logging.INFO, logger="engine.llm"):
+        caplog.clear()
+        res = CliRunner().invoke(cli, [*args, "--max-num-seqs", "2"])  # the user's cap still holds
+    assert res.exit_code == 0, res.output
+    assert f"KV cache: {2 * per_seq} blocks" in caplog.text

@@ -5,6 +5,7 @@ its own build, so two of them sharing the cache do not keep rebuilding it for ea
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,3 +47,35 @@ def test_each_checkout_has_its_own_build(monkeypatch: pytest.MonkeyPatch, tmp_pa
         other.write_bytes(src.read_bytes())  # the same sources elsewhere: a build command with other paths
     monkeypatch.setattr("kernels.cpu_ops.SOURCES", others)
     assert build_name() != here
+
+
+FAST = ("import sys; from kernels.cpu_ops import load; load(); "
+        "print('loaded', 'torch.utils.cpp_extension' in sys.modules)")
+
+
+def _load_in_child(home: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, SLUICE_HOME=str(home))
+    return subprocess.run([sys.executable, "-c", FAST], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_noted_build_loads_without_the_build_check_and_a_bad_note_is_not_trusted(tmp_path: Path) -> None:
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"the C++ op does not build here: {why}")
+    home = tmp_path / "home"
+    first = _load_in_child(home)  # no note yet: torch's build check, then the note
+    assert first.returncode == 0 and first.stdout.split() == ["loaded", "True"], first.stderr[-3000:]
+    note = home / "cache" / "ops" / f"{build_name()}.json"
+    good = json.loads(note.read_text())
+    assert Path(good["library"]).is_file() and good["size"] == Path(good["library"]).stat().st_size
+    second = _load_in_child(home)
+    assert second.returncode == 0 and second.stdout.split() == ["loaded", "False"], second.stderr[-3000:]
+    # A note that no longer matches its library, or one that does not parse, sends the load back to the build
+    # check, which notes the build again.
+    for bad in (json.dumps({**good, "sha256": "0" * 64}), json.dumps({**good, "size": good["size"] + 1}),
+                '{"name": ', "[]"):
+        note.write_text(bad)
+        again = _load_in_child(home)
+        assert again.returncode == 0 and again.stdout.split() == ["loaded", "True"], (bad, again.stderr[-3000:])
+        assert json.loads(note.read_text()) == good

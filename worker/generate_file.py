@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from engine.config import EngineConfig
 from engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
 from engine.embedding_model import is_embedding_model
 from engine.llm import LLM
@@ -52,7 +53,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         jobs = list(_read_jobs(src, defaults, done, err, summary))
         if not jobs:
             return summary
-        engine = llm if llm is not None else _engine(model, engine_kwargs)
+        engine = llm if llm is not None else _engine(model, engine_kwargs, jobs)
         by_id = {j.custom_id: j for j in jobs}
 
         def write_result(job: Job, result: Result) -> None:
@@ -81,11 +82,20 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
     return summary
 
 
-def _engine(model: str | None, engine_kwargs: dict[str, Any]) -> LLM | EmbeddingEngine:
+def _engine(model: str | None, engine_kwargs: dict[str, Any], jobs: list[Job]) -> LLM | EmbeddingEngine:
     if is_embedding_model(model):
         assert model is not None
         return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))
-    return LLM(model, **engine_kwargs)
+    return LLM(model, **_fitted(engine_kwargs, jobs))
+
+
+def _fitted(engine_kwargs: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
+    """The engine settings for a file of these jobs: no more sequence slots than the file has sequences.
+    The engine sizes its KV cache for at most every slot at full length, so a short file gets a small
+    cache, and faulting in the default 4 GiB took 5-12 s of start-up here."""
+    sequences = sum(j.params.n for j in jobs)
+    limit = engine_kwargs.get("max_num_seqs") or EngineConfig.max_num_seqs
+    return {**engine_kwargs, "max_num_seqs": min(limit, sequences)}
 
 
 def _embed(engine: EmbeddingEngine, requests: list[EmbeddingRequest],
