@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("--num-passages", type=int, default=5000)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--st-batch-sizes", default="16,64,128,256", help="st-best: encode's batch sizes to try")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="sluice: the token budget of a pass")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--vllm-venv", type=Path, default=HERE / ".vllm-venv")
     ap.add_argument("--timeout", type=float, default=3600)

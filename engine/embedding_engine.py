@@ -40,7 +40,9 @@ class EmbeddingConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
     max_num_seqs: int = 256  # inputs in one forward pass at most
-    max_num_batched_tokens: int = 8192  # padded tokens (batch * longest) in one forward pass
+    # Padded tokens (batch * longest) in one forward pass. On all-MiniLM-L6-v2 (one thread, CPU time)
+    # 2,048-token passes ran about 5% more tokens per CPU-second than 8,192-token ones.
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_seq_length
     truncate: bool = True  # an input over max_model_len: keep its head (True) or fail the request (False)
     pooling: str | None = None  # a plain transformers directory's pooling (mean | cls | max | lasttoken)
