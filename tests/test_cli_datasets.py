@@ -198,7 +198,7 @@ def test_flag_mistakes_are_one_line_usage_errors(tmp_path: Path) -> None:
 
 def _cli_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     code = f"import sys; sys.modules[{module!r}] = None; from cli.main import cli; cli({list(args)!r})"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
