@@ -7,12 +7,15 @@ decode batch, in each dtype, interleaved and best-of-N so a busy machine skews b
 kept across runs (engine/tuning_cache.py, keyed by CPU, torch build, the layer's shapes and the kernels). Each dtype's
 matmuls run the way the engine would run them (engine/linear.py picks the fastest GEMM per dtype, e.g.
 float32 compute for bfloat16 weights where oneDNN's bfloat16 kernel is slow). bfloat16 must win by a
-margin, since float32 is exact.
+margin, since float32 is exact. A timing disturbed by other work (a dtype's runs varying by more than
+STEADY) decides only this process: it is not kept, so one busy moment cannot fix a wrong choice for every
+later run (on a loaded machine one such timing once read 88 ms float32 against 2.7 ms bfloat16).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 MARGIN = 1.15  # bfloat16 must be this much faster to be chosen
 BATCH, CONTEXT, REPEATS = 128, 256, 7
+STEADY = 1.25  # a dtype's median run over its best run: more means other work disturbed the timing
 
 
 def cpu_flags() -> set[str]:
@@ -52,9 +56,18 @@ def pick_cpu_dtype(config: Any, cpu_linear: str = "auto") -> tuple[torch.dtype, 
         value, path = cached
         if isinstance(value, list) and len(value) == 2 and value[0] in ("float32", "bfloat16"):
             return getattr(torch, value[0]), f"{value[1]} (measured earlier: {path})"
-    dtype, detail = _measure(config, cpu_linear, flags)
+    dtype, detail, kept = _measure(config, cpu_linear, flags)
+    if not kept:
+        log.warning("--dtype auto: the timing varied by more than %.0f%% between runs (other work on this "
+                    "machine?); %s chosen for this run only, not kept", (STEADY - 1) * 100, dtype)
+        return dtype, f"{detail}; timed on a busy machine, so not kept"
     tuning_cache.put("dtype", parts, [str(dtype).removeprefix("torch."), detail])
     return dtype, detail
+
+
+def steady(times: list[float]) -> bool:
+    """Whether repeated runs of one workload agree well enough for their best to be trusted later."""
+    return statistics.median(times) <= STEADY * min(times)
 
 
 def _layer_shape(config: Any) -> list[Any]:
@@ -76,22 +89,23 @@ def _attention_build() -> str:
         return ""
 
 
-def _measure(config: Any, cpu_linear: str, flags: set[str]) -> tuple[torch.dtype, str]:
+def _measure(config: Any, cpu_linear: str, flags: set[str]) -> tuple[torch.dtype, str, bool]:
     impl = {dt: _linear_impl(config, dt, cpu_linear) for dt in (torch.float32, torch.bfloat16)}
     layer = {dt: _decode_layer(config, dt, impl[dt]) for dt in impl}
-    best = {dt: float("inf") for dt in layer}
+    times: dict[torch.dtype, list[float]] = {dt: [] for dt in layer}
     for _ in range(REPEATS):
         for dt, run in layer.items():
             t0 = time.perf_counter()
             run()
-            best[dt] = min(best[dt], time.perf_counter() - t0)
-    f32, bf16 = best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3
+            times[dt].append(time.perf_counter() - t0)
+    f32, bf16 = min(times[torch.float32]) * 1e3, min(times[torch.bfloat16]) * 1e3
+    kept = all(steady(t) for t in times.values())
     has = ", ".join(f for f in BF16_FLAGS if f in flags)
     detail = (f"one decode layer at batch {BATCH} took {f32:.2f} ms in float32 ({impl[torch.float32]} GEMMs), "
               f"{bf16:.2f} ms in bfloat16 ({impl[torch.bfloat16]} GEMMs; {has})")
     if bf16 * MARGIN < f32:
-        return torch.bfloat16, detail
-    return torch.float32, detail
+        return torch.bfloat16, detail, kept
+    return torch.float32, detail, kept
 
 
 def _linear_impl(config: Any, dtype: torch.dtype, requested: str) -> str:
