@@ -117,11 +117,7 @@ def main() -> None:
     if args.compare_sampling:
         compare_sampling(llm, args.compare_sampling)
         return
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            llm.step()
-        wall = (time.perf_counter() - t0) / args.steps
+    prof, wall = profiled_steps(llm, args.steps)
     print(f"\ndecode step at batch {args.batch}, context ~{args.context}: {wall * 1e3:.1f} ms "
           f"({args.batch / wall:.0f} tok/s)")
     report(prof, wall, args)
@@ -133,16 +129,22 @@ def profile_prefill(llm: LLM, args: argparse.Namespace, rng: random.Random, voca
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
         llm.add_request(Request(f"p{i}", prompt_token_ids=prompt, params=SamplingParams(max_tokens=4, ignore_eos=True)))
     llm.step()  # the first step also builds and loads what is built on first use: not profiled
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            llm.step()
-        wall = (time.perf_counter() - t0) / args.steps
+    prof, wall = profiled_steps(llm, args.steps)
     print(f"backend {type(llm.runner.backend).__name__}, dtype {llm.dtype}, linear {llm.cpu_linear}, "
           f"threads {torch.get_num_threads()}, budget {llm.config.max_num_batched_tokens} tokens")
     print(f"\nprompt step ({args.batch} prompts of {args.prompt_len} tokens, steps 2-{args.steps + 1}): "
           f"{wall * 1e3:.1f} ms")
     report(prof, wall, args)
+
+
+def profiled_steps(llm: LLM, steps: int) -> tuple[profile, float]:
+    """``steps`` engine steps under the profiler, and the mean seconds per step."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        wall = (time.perf_counter() - t0) / steps
+    return prof, wall
 
 
 def report(prof: profile, wall: float, args: argparse.Namespace) -> None:
