@@ -103,13 +103,12 @@ class LLM(Intake[_RequestState, Completion]):
         self.runner.lora = self.lora
         clock.lap("ops")
         num_blocks = self._num_blocks(max_len)
-        started = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
+        allocated_s = clock.lap("kv_cache")
         self.max_model_len = min(max_len, num_blocks * self.config.block_size)
         log.info("KV cache: %d blocks = %d tokens (%s, %s; %.1f GB, allocated in %.1f s)", num_blocks,
                  num_blocks * self.config.block_size, self.dtype, self.device,
-                 num_blocks * self.runner.bytes_per_block() / 1e9, time.perf_counter() - started)
-        clock.lap("kv_cache")
+                 num_blocks * self.runner.bytes_per_block() / 1e9, allocated_s)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)

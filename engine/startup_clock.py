@@ -15,11 +15,14 @@ class StartupClock:
     last: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
 
-    def lap(self, phase: str) -> None:
-        """The time since the previous lap (or the start) goes to ``phase``; a phase lapped twice adds up."""
+    def lap(self, phase: str) -> float:
+        """The time since the previous lap (or the start) goes to ``phase`` (a phase lapped twice adds up);
+        returns that time."""
         now = time.perf_counter()
-        self.phases[phase] = self.phases.get(phase, 0.0) + now - (self.last or self.started)
+        seconds = now - (self.last or self.started)
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
         self.last = now
+        return seconds
 
     @property
     def total(self) -> float:
