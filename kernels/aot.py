@@ -110,7 +110,6 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
         yield f"prefill-{tag}", call
         yield f"prefill-window-softcap-{tag}", partial(call, **window_cap)
     yield from _fused_cases(dtype)
-    yield from _sampling_cases()
 
 
 def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -127,15 +126,6 @@ def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
         yield f"rotary-hq{hq}-hkv{hkv}-d{d}", partial(apply_rotary, torch.arange(4), q, k, cos, sin)
     for intermediate in (1536, 8192):  # SmolLM2-135M, Llama-3.2-1B
         yield f"silu_and_mul-i{intermediate}", partial(silu_and_mul, _rand(4, 2 * intermediate, dtype=dtype))
-
-
-def _sampling_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
-    from kernels.sampling import seeded_exponential
-
-    # float32 noise whatever the model's dtype; vocabularies of SmolLM2 and Llama 3.
-    for vocab in (49152, 128256):
-        rows, keys = torch.tensor([0, 2]), torch.tensor([5, (3 << 32) | 7])
-        yield f"seeded_exponential-v{vocab}", partial(seeded_exponential, torch.empty(3, vocab), rows, keys)
 
 
 def compile_launch(launch: Launch, arch: int, stage: str) -> tuple[Any, dict[str, Any]]:

@@ -25,7 +25,6 @@ KERNELS = {
     "_rms_norm_kernel",
     "_rotary_kernel",
     "_silu_and_mul_kernel",
-    "_seeded_exponential_kernel",
 }
 
 
