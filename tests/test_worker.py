@@ -293,7 +293,7 @@ def test_sigterm_drains_within_the_grace_period(r: redis.Redis, tiny_model_dir: 
     n = 12
     b = submit(prompt_lines(n, rng, max_tokens=1000), r=r, model="tiny")
     log = tmp_path / "worker.log"
-    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "6", "--grace-period", "0.2", log=log)
+    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "6", "--grace-period", "0.2", log=log, paced=True)
     try:
         wait_for(lambda: held_by(r, b.id, "w1") > 0 and r.exists(keys.heartbeat("w1")), 120, "w1 at work")
         p.send_signal(signal.SIGTERM)
