@@ -98,9 +98,9 @@ class ThreadWorker:
 def worker_process(model_dir: Path, worker_id: str, *args: str, log: Path | None = None,
                    paced: bool = False) -> subprocess.Popen:
     """``python -m worker`` on the tiny model, in the test's SLUICE_HOME (from the environment). ``paced``:
-    every engine step takes at least tests/paced_worker.py's PACE, so the batch is still running when the
-    test acts on the worker, on any machine."""
-    entry = [str(ROOT / "tests" / "paced_worker.py")] if paced else ["-m", "worker"]
+    every engine step takes at least tests/paced.py's PACE, so the batch is still running when the test
+    acts on the worker, on any machine."""
+    entry = [str(ROOT / "tests" / "paced.py"), "worker"] if paced else ["-m", "worker"]
     cmd = [sys.executable, *entry, "--model", str(model_dir), "--queue", "tiny", "--dtype", "float32",
            "--worker-id", worker_id, "--heartbeat-ttl", "2", *args]
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
