@@ -15,6 +15,7 @@ from engine.block_table import BlockTableRows
 from engine.config import EngineConfig
 from engine.graph_runner import DecodeGraphRunner
 from engine.guided import apply_guided_masks
+from engine.lora.batch import adapter_order
 from engine.lora.manager import LoraManager
 from engine.models.base import CausalLM
 from engine.outputs import TokenLogprob
@@ -157,6 +158,10 @@ class ModelRunner:
         """Compute the batch's new tokens; return (sequence, sampled token, logprob) for each sequence
         whose prompt is now wholly computed, i.e. that produces a token this step."""
         self.zero_fresh_blocks(num_touched_blocks)
+        order = adapter_order([s.lora for s in batch.seqs]) if self.lora is not None else None
+        if order is not None:  # each adapter's rows one run: its LoRA GEMMs on contiguous slices
+            scheduled, batch = batch.seqs, ScheduledBatch([batch.seqs[i] for i in order],
+                                                          [batch.num_new_tokens[i] for i in order])
         scoring = wants_prompt_logprobs(batch.seqs)  # prompt logprobs need every computed row's hidden state
         decoded = self.decode_runner.run(batch) if self.decode_runner is not None and not scoring else None
         if decoded is not None:  # a decode-only step, padded to its bucket (a graph replay on CUDA)
@@ -173,7 +178,11 @@ class ModelRunner:
         apply_guided_masks(logits, samplers)  # structured output: masks the constrained rows in place
         with torch.profiler.record_function("sluice::sample"):  # one row in bench/profile_step.py's table
             out = sample(logits, samplers, [stop_ids.get(s.seq_id, set()) for s in samplers], self.kernels)
-        return list(zip(samplers, out.token_ids, out.logprobs, strict=True))
+        sampled = list(zip(samplers, out.token_ids, out.logprobs, strict=True))
+        if order is not None:  # back in the scheduler's order: finished requests come back in it
+            position = {id(s): i for i, s in enumerate(scheduled)}
+            sampled.sort(key=lambda r: position[id(r[0])])
+        return sampled
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
         """Pack the step: every array is computed by numpy over the whole batch; per sequence, Python

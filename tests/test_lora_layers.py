@@ -1,18 +1,18 @@
 """The CPU LoRA hook (engine/lora/layers.py) on one fused layer, against each row's delta computed on its own:
-rows of several adapters and the base interleaved (the gathered path) or in one run (the sliced path),
-adapters that target only some of the layer's parts, base rows left bit-identical."""
+rows of several adapters and the base put in adapter order (one run each) or left interleaved (many runs),
+adapters that target only some of the layer's parts, base rows left bit-identical; and the batch order
+(engine/lora/batch.py) that makes one run per adapter."""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 from helpers import fresh_seed
 
 from engine.lora.adapters import LoraAdapter, LoraWeights
-from engine.lora.batch import adapter_rows, as_index
+from engine.lora.batch import adapter_order, adapter_runs
 from engine.lora.layers import LoraHook, LoraStep
 
 IN = 24
@@ -39,23 +39,26 @@ def _reference(x: torch.Tensor, out: torch.Tensor, names: list[str | None], adap
     return want
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "one-run"])
+@pytest.mark.parametrize("layout", ["adapter-order", "interleaved"])
 def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     seed = fresh_seed()
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     adapters = {"all": _adapter("all", gen, 4, ["q", "k", "v"]), "k-only": _adapter("k-only", gen, 2, ["k"]),
                 "qv": _adapter("qv", gen, 8, ["q", "v"])}
-    if layout == "interleaved":
-        names: list[str | None] = [rng.choice([None, *adapters]) for _ in range(40)]
-        names[:4] = [None, "all", "k-only", "qv"]  # every adapter and the base present
+    seq_names: list[str | None] = [rng.choice([None, *adapters]) for _ in range(30)]
+    seq_names[:4] = [None, "all", "k-only", "qv"]  # every adapter and the base present
+    q_lens = [rng.choice([1, 1, 3]) for _ in seq_names]  # decodes and prompt chunks
+    order = adapter_order(seq_names)
+    assert order is not None and sorted(order) == list(range(len(seq_names)))
+    if layout == "adapter-order":
+        seq_names, q_lens = [seq_names[i] for i in order], [q_lens[i] for i in order]
+    runs = adapter_runs(seq_names, q_lens)
+    if layout == "adapter-order":
+        assert [name for name, _, _ in runs] == ["all", "k-only", "qv"]
     else:
-        names = [None] * 5 + ["qv"] * 9 + [None] * 3
-    q_lens = [1] * len(names)
-    rows = adapter_rows(names, q_lens)
-    order = np.concatenate(list(rows.values()))
-    step = LoraStep(as_index(order, torch.device("cpu")), [adapters[n] for n in rows],
-                    np.cumsum([0, *(len(r) for r in rows.values())]).tolist())
-    assert isinstance(step.rows, slice) == (layout == "one-run")
+        assert len(runs) > len(adapters)  # some adapter split over runs: still right
+    names = [n for n, q in zip(seq_names, q_lens, strict=True) for _ in range(q)]  # per packed row
+    step = LoraStep([(adapters[n], a, b) for n, a, b in runs], torch.empty(len(names) * 8 * 3))
     hook = LoraHook(parts=list(PARTS), step=step)
     x = torch.randn(len(names), IN, generator=gen)
     out = torch.randn(len(names), WIDTH, generator=gen)
@@ -66,7 +69,15 @@ def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     assert torch.equal(out[base], want[base])  # the base rows untouched, to the bit
 
 
-def test_rows_in_one_run_but_out_of_order_are_gathered() -> None:
-    """Rows 2, 3, 0, 1 span four rows but are not one ascending run: a slice would take the wrong rows."""
-    assert isinstance(as_index(np.array([2, 3, 0, 1]), torch.device("cpu")), torch.Tensor)
-    assert as_index(np.array([3, 4, 5]), torch.device("cpu")) == slice(3, 6)
+def test_adapter_order_is_one_run_per_adapter_base_first_and_stable() -> None:
+    names = ["b", None, "a", "b", None, "a", "c"]
+    order = adapter_order(names)
+    assert order == [1, 4, 0, 3, 2, 5, 6]
+    assert adapter_order([names[i] for i in order]) is None  # already grouped: left as it is
+    assert adapter_order(["a", "a", None, "b"]) is None  # the base may be anywhere, as one run
+    assert adapter_order([]) is None
+
+
+def test_runs_are_packed_rows_of_consecutive_sequences() -> None:
+    assert adapter_runs([None, "a", "a", "b", None], [2, 1, 3, 1, 5]) == [("a", 2, 6), ("b", 6, 7)]
+    assert adapter_runs(["a", None, "a"], [1, 1, 1]) == [("a", 0, 1), ("a", 2, 3)]

@@ -1,28 +1,36 @@
-"""The step's adapter index: which rows of the packed token batch belong to which adapter."""
+"""The step's adapter layout: the batch put in adapter order, and the packed rows of each adapter's run."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 
-def adapter_rows(names: Sequence[str | None], q_lens: Sequence[int]) -> dict[str, np.ndarray]:
-    """For each adapter among ``names`` (one per sequence, None = the base), the packed rows of its
-    sequences' tokens (sequence ``i`` owns ``q_lens[i]`` consecutive rows), in order."""
-    seq_of_row = np.repeat(np.arange(len(names)), np.asarray(q_lens, dtype=np.int64))
-    out: dict[str, np.ndarray] = {}
-    for name in dict.fromkeys(n for n in names if n is not None):
-        mine = np.fromiter((n == name for n in names), dtype=bool, count=len(names))
-        out[name] = np.flatnonzero(mine[seq_of_row])
+def adapter_order(names: Sequence[str | None]) -> list[int] | None:
+    """The order of the sequences (one adapter name each, None = the base) that puts each adapter's in one
+    run, base first, the rest by first appearance, stable within a run; None if they already lie so."""
+    runs = sum(1 for i, name in enumerate(names) if i == 0 or name != names[i - 1])
+    if runs == len(set(names)):
+        return None
+    first: dict[str | None, int] = {None: -1}
+    for i, name in enumerate(names):
+        first.setdefault(name, i)
+    return sorted(range(len(names)), key=lambda i: first[names[i]])
+
+
+def adapter_runs(names: Sequence[str | None], q_lens: Sequence[int]) -> list[tuple[str, int, int]]:
+    """Each run of consecutive sequences on one adapter as (adapter, first packed row, end row); sequence
+    ``i`` owns ``q_lens[i]`` consecutive rows; base runs are left out. An adapter split over several runs
+    (a batch not put in ``adapter_order``) has several entries: correct, only slower."""
+    cu = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(q_lens, dtype=np.int64), out=cu[1:])
+    out: list[tuple[str, int, int]] = []
+    start = 0
+    for i in range(1, len(names) + 1):
+        if i == len(names) or names[i] != names[start]:
+            name = names[start]
+            if name is not None:
+                out.append((name, int(cu[start]), int(cu[i])))
+            start = i
     return out
-
-
-def as_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
-    """Rows as a slice where they are one ascending run (a view, no gather), else an index tensor on
-    ``device``."""
-    first = int(rows[0])
-    if np.array_equal(rows, np.arange(first, first + len(rows))):
-        return slice(first, first + len(rows))
-    return torch.from_numpy(rows).to(device)

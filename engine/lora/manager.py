@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.lora.adapters import AdapterCache, LoraAdapter, Target
-from engine.lora.batch import adapter_rows, as_index
+from engine.lora.batch import adapter_runs
 from engine.lora.layers import KernelStep, LoraHook, LoraStep, Site, native_targets, transformers_targets
 
 
@@ -29,6 +29,9 @@ class LoraManager:
         self.use_kernel = device.type == "cuda"
         self.hooks: dict[str, LoraHook] = {}  # module path -> its hook
         self.hooked_targets: set[str] = set()
+        # The most targets one hooked module serves (q/k/v: 3), for the shrinks' scratch buffer.
+        self.max_targets_per_hook = max(Counter(s.module for s in self.sites.values()).values(), default=1)
+        self.scratch = torch.empty(0, dtype=dtype, device=device)
         self.prompt_tokens: Counter[str] = Counter()  # per adapter, of finished requests
         self.completion_tokens: Counter[str] = Counter()
 
@@ -47,27 +50,35 @@ class LoraManager:
             self._hook(adapter)
 
     def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
-        """Tell the hooks which packed rows take which adapter in the coming forward pass."""
-        rows = adapter_rows(names, q_lens)
+        """Tell the hooks which packed rows take which adapter in the coming forward pass (fastest with the
+        sequences in ``adapter_order``: one run per adapter)."""
+        runs = adapter_runs(names, q_lens)
         step = None
-        if rows:
-            keep = set(rows)
-            adapters = []
-            for name in rows:
-                adapter = self.cache.get(name, keep)
+        if runs:
+            used = dict.fromkeys(name for name, _, _ in runs)
+            adapters = {}
+            for name in used:
+                adapter = adapters[name] = self.cache.get(name, set(used))
                 self._hook(adapter)
-                adapters.append(adapter)
-            bounds = np.cumsum([0, *(len(r) for r in rows.values())]).tolist()
-            kernel = self._kernel_step(rows, sum(q_lens)) if self.use_kernel else None
-            step = LoraStep(as_index(np.concatenate(list(rows.values())), self.device), adapters, bounds, kernel)
+            longest = max(end - start for _, start, end in runs)
+            kernel = self._kernel_step(runs, list(adapters.values()), sum(q_lens)) if self.use_kernel else None
+            step = LoraStep([(adapters[n], start, end) for n, start, end in runs], self._scratch(longest), kernel)
         for hook in self.hooks.values():
             hook.step = step
 
-    def _kernel_step(self, rows: dict[str, np.ndarray], num_rows: int) -> KernelStep:
+    def _scratch(self, rows: int) -> torch.Tensor:
+        """A flat buffer for ``rows`` rows of any hook's stacked shrink, kept between steps (grown as needed)."""
+        need = rows * self.cache.max_rank * self.max_targets_per_hook
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=self.cache.dtype, device=self.device)
+        return self.scratch
+
+    def _kernel_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter], num_rows: int) -> KernelStep:
+        slot = {a.name: i for i, a in enumerate(adapters)}
         slots = np.full(num_rows, -1, dtype=np.int32)
-        for slot, r in enumerate(rows.values()):
-            slots[r] = slot
-        return KernelStep(tuple(rows), torch.from_numpy(slots).to(self.device))
+        for name, start, end in runs:
+            slots[start:end] = slot[name]
+        return KernelStep(adapters, torch.from_numpy(slots).to(self.device))
 
     def count(self, name: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens[name] += prompt_tokens
