@@ -5,7 +5,7 @@ The pooling runner hands the model a right-padded batch with each input's length
 (engine/pooling_runner.py). PyTorch's SDPA reads that as a mask and still scores every padded key; the
 op attends over each sequence's own keys, reads q/k/v through their strides (no transposed copies), and
 writes the [B, S, H, D] layout the output projection takes as is. On all-MiniLM-L6-v2 shapes it ran
-1.5-2.5x faster than SDPA (tests/test_encoder_attention.py's benchmark, a loaded 2-core EPYC).
+1.4-2.7x faster than SDPA (bench/encoder_attention_micro.py, a loaded 2-core EPYC).
 
 The lengths reach the attention function through a context variable set around the forward pass, so no
 model's ``forward`` has to pass a new argument. Everything the op does not do (a causal or sliding-window
