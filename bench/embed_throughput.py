@@ -108,13 +108,15 @@ def timed(fn: Any) -> tuple[Any, float, float]:
 def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> tuple[list[list[float]], dict[str, Any]]:
     from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
 
-    eng = EmbeddingEngine(model_dir, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    eng = EmbeddingEngine(model_dir, max_num_seqs=args.max_num_seqs, **budget)
     eng.embed([EmbeddingRequest(f"w{i}", t) for i, t in enumerate(texts[:WARMUP])])
     outs, secs, cpu = timed(lambda: eng.embed([EmbeddingRequest(str(i), t) for i, t in enumerate(texts)]))
     s = eng.stats
     return [o.embeddings[0] for o in outs], {"seconds": secs, "cpu_seconds": cpu, "steps": s["steps"], "padding_share": s["padding_share"],
-                                             "settings": f"max_num_batched_tokens {args.max_num_batched_tokens}, "
-                                                         f"max_num_seqs {args.max_num_seqs}"}
+                                             "settings": f"max_num_batched_tokens {eng.config.max_num_batched_tokens}, "
+                                                         f"max_num_seqs {args.max_num_seqs}, "
+                                                         f"{eng.model.attention} attention"}
 
 
 def child_st(texts: list[str], model_dir: str, batch_sizes: list[int]) -> tuple[list[list[float]], dict[str, Any]]:
@@ -176,9 +178,9 @@ def run_system(system: str, args: argparse.Namespace, workload: Path) -> dict[st
         if why:
             return {"system": system, "error": why}
         py, env = str(args.vllm_venv / "bin" / "python"), throughput.vllm_env(args.vllm_venv)
+    budget = [] if args.max_num_batched_tokens is None else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd = [py, str(Path(__file__).resolve()), "--child", system, "--workload", str(workload), "--result", str(result),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
-           "--st-batch-sizes", args.st_batch_sizes]
+           *budget, "--max-num-seqs", str(args.max_num_seqs), "--st-batch-sizes", args.st_batch_sizes]
     load_before = os.getloadavg()
     t = time.time()
     with log.open("w") as f:
@@ -201,7 +203,8 @@ def main() -> None:
     ap.add_argument("--num-passages", type=int, default=5000)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--st-batch-sizes", default="16,64,128,256", help="st-best: encode's batch sizes to try")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="sluice: the token budget of a pass")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="sluice: the token budget of a pass (default: EmbeddingConfig's)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--vllm-venv", type=Path, default=HERE / ".vllm-venv")
     ap.add_argument("--timeout", type=float, default=3600)

@@ -68,7 +68,7 @@ def cli(verbose: bool) -> None:
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids (dataset: rows) already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
-             max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None, policy: str,
+             max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None, policy: str,
              enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
              memory_budget: int | None, tensor_parallel_size: int, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,

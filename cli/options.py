@@ -49,7 +49,8 @@ engine_options = [
     env_option("--max-num-seqs", envvar="SLUICE_MAX_NUM_SEQS", type=click.IntRange(min=1), default=256,
                show_default=True, help="Most sequences in one step."),
     env_option("--max-num-batched-tokens", envvar="SLUICE_MAX_NUM_BATCHED_TOKENS", type=click.IntRange(min=1),
-               default=4096, show_default=True, help="Token budget of one step (prompt chunks + decodes)."),
+               default=None, help="Token budget of one step: prompt chunks + decodes (default 4096); for an "
+               "embedding model, padded tokens of one forward pass (default 2048)."),
     env_option("--kv-cache-memory", envvar="SLUICE_KV_CACHE_MEMORY", type=SIZE, default=None,
                help="Bytes for the KV cache, e.g. 2GiB or 512MB (default: 4GiB on CPU; on CUDA what is left of "
                "90% of memory)."),
@@ -114,11 +115,12 @@ def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: 
         raise click.BadParameter(err["msg"].removeprefix("Value error, "), param_hint=where) from None
 
 
-def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
+def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
                   policy: str, enforce_eager: bool = False, model_impl: str = "auto",
                   reasoning_parser: str = "auto", quantization: str = "auto",
                   memory_budget: int | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
-    return dict(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_memory=kv_cache_memory, policy=policy, enforce_eager=enforce_eager, model_impl=model_impl,
-                reasoning_parser=reasoning_parser, quantization=quantization, memory_budget=memory_budget,
-                tensor_parallel_size=tensor_parallel_size)
+    # The token budget's default belongs to each engine's config (EngineConfig, EmbeddingConfig): they differ.
+    budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    return dict(dtype=dtype, max_num_seqs=max_num_seqs, **budget, kv_cache_memory=kv_cache_memory, policy=policy,
+                enforce_eager=enforce_eager, model_impl=model_impl, reasoning_parser=reasoning_parser,
+                quantization=quantization, memory_budget=memory_budget, tensor_parallel_size=tensor_parallel_size)

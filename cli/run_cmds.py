@@ -93,7 +93,7 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
               help="Stop after this many seconds with nothing to do.")
 @job_server_errors
-def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None,
                kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
                quantization: str, memory_budget: int | None, tensor_parallel_size: int,
                queue: str | None, metrics_port: int | None,
@@ -206,7 +206,7 @@ class ApiThread:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @job_server_errors
-def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int | None,
+def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
            policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
                memory_budget: int | None, tensor_parallel_size: int, queue: str | None,
            metrics_port: int | None, grace_period: float, host: str, port: int) -> None:

@@ -48,6 +48,7 @@ class EmbeddingConfig:
     pooling: str | None = None  # a plain transformers directory's pooling (mean | cls | max | lasttoken)
     matryoshka: bool | None = None  # None = as the model's config says
     cpu_linear: str = "auto"  # auto (oneDNN-packed where it runs) | aten | onednn-packed
+    cpu_attention: str = "auto"  # auto (engine/encoder_attention.py's op where it runs) | sdpa | varlen
     # What a worker may hold waiting, in tokens (None = 4 forward passes' worth): no KV cache here, so
     # this is the capacity the worker's puller sees, counted in blocks of ``block_size`` tokens.
     max_waiting_tokens: int | None = None
@@ -102,7 +103,7 @@ class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
         self.config = EmbeddingConfig(**config)
         self.model: EmbeddingModel = load_embedding_model(model, _DTYPES[self.config.dtype], self.config.device,
                                                           self.config.pooling, self.config.matryoshka,
-                                                          self.config.cpu_linear)
+                                                          self.config.cpu_linear, self.config.cpu_attention)
         self.tokenizer = self.model.tokenizer
         self.model_impl = "transformers"
         self.device = torch.device(self.config.device)
@@ -114,9 +115,10 @@ class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
         self.num_steps = 0
         self.num_padded_tokens = 0  # batch * longest, summed over steps
         self.num_tokens = 0  # real tokens embedded
-        log.info("embedding model %s: %s pooling%s, %d dims, max %d tokens, %s linear layers", self.model.path.name,
+        log.info("embedding model %s: %s pooling%s, %d dims, max %d tokens, %s linear layers, %s attention",
+                 self.model.path.name,
                  self.model.pooling.mode, " + normalize" if self.model.pooling.normalize else "",
-                 self.dimension, self.max_model_len, self.model.cpu_linear)
+                 self.dimension, self.max_model_len, self.model.cpu_linear, self.model.attention)
 
     # ---- the numbers a puller needs -------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.encoder_attention import pick_attention, sequence_lengths
 from engine.encoder_linear import use_encoder_cpu_linear
 from engine.models.base import UnsupportedModelError
 from engine.pooling import (
@@ -97,22 +98,25 @@ class EmbeddingModel:
     device: torch.device
     path: Path
     cpu_linear: str = "aten"  # how the linear layers run (engine/encoder_linear.py)
+    attention: str = "sdpa"  # transformers' attn_implementation: sdpa | sluice_encoder (engine/encoder_attention.py)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Right-padded ``input_ids`` [batch, seq] of ``lengths`` -> pooled vectors [batch, dim], float32,
         not yet normalised (engine/pooling.finish_vector does that, per request)."""
         mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
-        out = self.net(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device))
+        with sequence_lengths(lengths):
+            out = self.net(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device))
         return pool(out.last_hidden_state.cpu(), lengths, self.pooling.mode)
 
 
 def load_embedding_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                          pooling: str | None = None, matryoshka: bool | None = None,
-                         cpu_linear: str = "auto") -> EmbeddingModel:
+                         cpu_linear: str = "auto", cpu_attention: str = "auto") -> EmbeddingModel:
     """Load ``model``. ``pooling`` names the pooling of a plain transformers directory (one with a
     modules.json says its own); ``matryoshka`` overrides whether ``dimensions`` may shorten vectors;
-    ``cpu_linear``: auto (oneDNN-packed where it runs) | aten | onednn-packed."""
+    ``cpu_linear``: auto (oneDNN-packed where it runs) | aten | onednn-packed; ``cpu_attention``: auto (the
+    C++ variable-length op where it runs) | sdpa | varlen."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     path = resolve_embedding_model(model)
@@ -127,11 +131,13 @@ def load_embedding_model(model: str, dtype: torch.dtype = torch.float32, device:
     if matryoshka is not None:
         pcfg = PoolingConfig(**{**pcfg.__dict__, "matryoshka": matryoshka})
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # Embedding needs no attention weights back; SDPA is transformers' fast path on CPU and GPU.
-    net = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    # Embedding needs no attention weights back: SDPA (transformers' fast path on CPU and GPU) or, for an
+    # encoder on the CPU, the op that skips padding.
+    attention = pick_attention(cpu_attention, config, torch.device(device), dtype)
+    net = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attention).to(device).eval()
     linear = use_encoder_cpu_linear(net, cpu_linear, torch.device(device), dtype)
     return EmbeddingModel(net, tokenizer, pcfg, _max_len(pcfg, config, tokenizer), int(config.vocab_size),
-                          torch.device(device), path, linear)
+                          torch.device(device), path, linear, attention)
 
 
 def _max_len(pcfg: PoolingConfig, config: Any, tokenizer: Any) -> int:

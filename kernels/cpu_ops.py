@@ -1,6 +1,6 @@
-"""Build (once, cached) and load the C++ CPU ops in ``kernels/cpu/``: paged attention, the KV-cache write,
-the decoder layer's fused elementwise ops, greedy argmax and sampling's passes over the vocabulary
-(wrapped in ``kernels/cpu_fused.py``).
+"""Build (once, cached) and load the C++ CPU ops in ``kernels/cpu/``: paged attention, an encoder's variable-length
+attention, the KV-cache write, the decoder layer's fused elementwise ops, greedy argmax and sampling's passes
+over the vocabulary (wrapped in ``kernels/cpu_fused.py``).
 
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
@@ -34,7 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
-                                                           "argmax.cpp", "sampling.cpp")]
+                                                           "argmax.cpp", "sampling.cpp",
+                                                           "encoder_attention.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "common.h"]  # included by the sources; hashed with them
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
@@ -179,3 +180,17 @@ def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) 
     load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False,
                    extra_include_paths=[str(HEADERS[0].parent)])  # the copy lives elsewhere; common.h stays here
     return getattr(torch.ops, namespace).paged_attention
+
+
+def encoder_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Non-causal attention of float32 ``q``/``k``/``v`` [B, S, H, D] (any strides, last one 1), batch row
+    ``b`` over its first ``lengths[b]`` (int64) tokens only, into ``out`` [B, S, H, D]; rows past a length
+    are zeros."""
+    load().encoder_attention(out, q, k, v, lengths, scale)
+    return out
+
+
+def encoder_attention_supports(head_dim: int) -> bool:
+    """Whether this build has ``encoder_attention`` for ``head_dim`` (it needs AVX-512)."""
+    return bool(load().encoder_attention_supports(head_dim))

@@ -415,3 +415,25 @@ def test_base64_and_float_rendering_round_trip_float32() -> None:
 def test_wire_format_module_needs_no_torch() -> None:
     code = "import sys, jobs.embeddings; assert 'torch' not in sys.modules, 'jobs.embeddings imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_the_token_budget_default_is_each_engines_own() -> None:
+    """The CLI passes --max-num-batched-tokens only when given: an embedding worker then runs at
+    EmbeddingConfig's budget, a generation worker at EngineConfig's (they differ)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from cli.options import engine_kwargs
+    from engine.config import EngineConfig
+    from engine.embedding_engine import EmbeddingConfig
+    from worker.run import embedding_kwargs
+
+    unset = engine_kwargs("auto", 256, None, None, "continuous")
+    assert "max_num_batched_tokens" not in unset
+    assert EmbeddingConfig(**embedding_kwargs(unset)).max_num_batched_tokens == EmbeddingConfig.max_num_batched_tokens
+    assert engine_kwargs("auto", 256, 777, None, "continuous")["max_num_batched_tokens"] == 777
+    assert EmbeddingConfig(**embedding_kwargs(engine_kwargs("auto", 256, 777, None, "continuous"))).max_num_batched_tokens == 777
+    assert EmbeddingConfig.max_num_batched_tokens != EngineConfig.max_num_batched_tokens
+    help_text = " ".join(CliRunner().invoke(cli, ["worker", "--help"]).output.split())  # unwrapped
+    assert f"default {EngineConfig.max_num_batched_tokens}" in help_text
+    assert f"default {EmbeddingConfig.max_num_batched_tokens}" in help_text
