@@ -41,7 +41,9 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped: read as copied
+        # Each tensor maps its bytes of the file copy-on-write (private): nothing is read until used, and the
+        # dense cache replaces a file by renaming a new one in, never by rewriting it in place.
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is no dict: keys() is its API
                 yield name, f.get_tensor(name)
 
@@ -60,7 +62,7 @@ def load_native(path: str, config: Any, max_positions: int, device: torch.device
     from safetensors import SafetensorError
 
     try:
-        filled = net.load_weights(_tensors(files), take=True)  # each tensor read is a fresh copy: ours
+        filled = net.load_weights(_tensors(files), take=True)  # each tensor read is ours alone
     except (KeyError, RuntimeError, OSError, SafetensorError) as e:
         log.warning("loading through transformers: reading %s natively failed (%s: %s)", path,
                     type(e).__name__, e)
