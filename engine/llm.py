@@ -30,6 +30,7 @@ from engine.loader import (
 )
 from engine.lora.manager import LoraManager
 from engine.model_runner import ModelRunner
+from engine.models.base import CausalLM
 from engine.models.native_load import load_native
 from engine.models.select import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
@@ -85,10 +86,11 @@ class LLM(Intake[_RequestState, Completion]):
 
             check_supported(self.model_impl, self.hf_config, self.config.tensor_parallel_size)
             self.device = driver_device(self.device)
-        net = None if hf is not None else load_native(dense_path(src), self.hf_config, max_len, self.device, self.dtype)
-        if net is None:
-            hf = hf or load_hf_model(src, self.dtype, quant.load_config)
-            net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        native = None if hf is not None else load_native(dense_path(src), self.hf_config, max_len, self.device, self.dtype)
+        if native is None and hf is None:  # the fast path did not cover this checkpoint (it logged why)
+            hf = load_hf_model(src, self.dtype, quant.load_config)
+        net: CausalLM = native if native is not None else build_model(hf, self.model_impl, max_len, self.device,
+                                                                        self.dtype)
         log.info("model %s: %s implementation (%s), quantization %s, %s", self.hf_config.model_type,
                  self.model_impl, "from transformers' model" if hf is not None else "loaded natively", quant.name,
                  self.parallelism)

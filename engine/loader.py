@@ -225,9 +225,11 @@ def _plain_config(path: Path) -> Any:
         return None
     if "quantization_config" in raw or "auto_map" in raw:
         return None
-    from transformers.configuration_utils import PreTrainedConfig
+    from transformers import configuration_utils
 
-    config = PreTrainedConfig(**raw)
+    # PreTrainedConfig since transformers 5 (PretrainedConfig before; rope_parameters means a 5.x config anyway)
+    base = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
+    config = base(**raw)
     config.name_or_path = str(path)  # as AutoConfig sets it
     return config
 

@@ -26,7 +26,7 @@ from engine.models.select import build_model
 from engine.outputs import Request
 from engine.sampling_params import SamplingParams
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "llama-tied": dict(num_hidden_layers=2, tie_word_embeddings=True),
     "llama-bias": dict(num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
                        attention_bias=True, mlp_bias=True),
@@ -54,7 +54,8 @@ def _assert_same_weights(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
     for name, p in theirs.items():
         assert mine[name].dtype == p.dtype, name
         assert torch.equal(mine[name], p), name
-    assert torch.equal(ours.rotary.cos, ref.rotary.cos) and ours.rotary.cos.dtype == torch.float32  # type: ignore[union-attr]
+    cos, ref_cos = ours.get_buffer("rotary.cos"), ref.get_buffer("rotary.cos")
+    assert torch.equal(cos, ref_cos) and cos.dtype == torch.float32
     tied = ref.lm_head.weight is ref.embed_tokens.weight  # type: ignore[union-attr]
     assert (ours.lm_head.weight is ours.embed_tokens.weight) == tied  # type: ignore[union-attr]
 
