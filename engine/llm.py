@@ -30,6 +30,8 @@ from engine.loader import (
 )
 from engine.lora.manager import LoraManager
 from engine.model_runner import ModelRunner
+from engine.models.base import CausalLM
+from engine.models.native_load import load_native
 from engine.models.select import build_model
 from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
 from engine.quant.checkpoint import read_weight_scales
@@ -63,27 +65,35 @@ class LLM(Intake[_RequestState, Completion]):
         checkpoint_config = load_config(src)
         check_decoder_only(checkpoint_config)  # before anything reads the config as a decoder's
         clock.lap("config")  # a GGUF model's first load dequantizes it here (engine/loader.py)
-        self.dtype = _pick_dtype(self.config.dtype, self.device, src, self.config.cpu_linear)
+        self.dtype = _pick_dtype(self.config.dtype, self.device, checkpoint_config, self.config.cpu_linear)
         clock.lap("dtype")
         self.model_impl = pick_impl(checkpoint_config, self.config.quantization, self.config.model_impl)
         quant = plan_quantization(checkpoint_config, self.config.quantization, self.model_impl, self.device)
         self.quantization = quant.name
-        hf = load_hf_model(src, self.dtype, quant.load_config)
+        # The native model straight from the checkpoint where it can be (engine/models/native_load.py), else
+        # built from transformers' loaded model.
+        fast = self.model_impl == "native" and quant.load_config is None and self.config.tensor_parallel_size == 1
+        hf = None if fast else load_hf_model(src, self.dtype, quant.load_config)
         clock.lap("weights")
-        self.tokenizer = load_tokenizer(src)
+        self.tokenizer = load_tokenizer(src, checkpoint_config)
         clock.lap("tokenizer")
-        self.hf_config = hf.config
-        log.info("model %s: %s implementation, quantization %s, %s", hf.config.model_type, self.model_impl,
-                 quant.name, self.parallelism)
-        max_len = _model_max_len(hf.config, self.model_impl)
+        self.hf_config = checkpoint_config if hf is None else hf.config
+        max_len = _model_max_len(self.hf_config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         if self.config.tensor_parallel_size > 1:
             from engine.parallel.build import check_supported, driver_device
 
-            check_supported(self.model_impl, hf.config, self.config.tensor_parallel_size)
+            check_supported(self.model_impl, self.hf_config, self.config.tensor_parallel_size)
             self.device = driver_device(self.device)
-        net = build_model(hf, self.model_impl, max_len, self.device, self.dtype)
+        native = None if hf is not None else load_native(dense_path(src), self.hf_config, max_len, self.device, self.dtype)
+        if native is None and hf is None:  # the fast path did not cover this checkpoint (it logged why)
+            hf = load_hf_model(src, self.dtype, quant.load_config)
+        net: CausalLM = native if native is not None else build_model(hf, self.model_impl, max_len, self.device,
+                                                                        self.dtype)
+        log.info("model %s: %s implementation (%s), quantization %s, %s", self.hf_config.model_type,
+                 self.model_impl, "from transformers' model" if hf is not None else "loaded natively", quant.name,
+                 self.parallelism)
         # Before the linear layers are replaced: the adapters' targets are read from them.
         self.lora = self._lora_manager(cast(torch.nn.Module, net))
         if quant.native_int8:
@@ -93,9 +103,9 @@ class LLM(Intake[_RequestState, Completion]):
         if self.config.tensor_parallel_size > 1:
             from engine.parallel.build import start_tensor_parallel
 
-            net = start_tensor_parallel(net, src, self.config, hf.config, self.model_impl, self.dtype, self.device, max_len)
+            net = start_tensor_parallel(net, src, self.config, self.hf_config, self.model_impl, self.dtype, self.device, max_len)
         clock.lap("build")
-        self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, hf.config, self.device,
+        self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, self.hf_config, self.device,
                                          self.dtype)
         clock.lap("gemm")
         del hf
@@ -346,7 +356,7 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device, src: ModelSource, cpu_linear: str) -> torch.dtype:
+def _pick_dtype(name: str, device: torch.device, config: Any, cpu_linear: str) -> torch.dtype:
     if name != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -354,11 +364,9 @@ def _pick_dtype(name: str, device: torch.device, src: ModelSource, cpu_linear: s
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}") from None
     if device.type == "cuda":
         return torch.bfloat16
-    from transformers import AutoConfig
-
     from engine.cpu_dtype import pick_cpu_dtype
 
-    dtype, why = pick_cpu_dtype(AutoConfig.from_pretrained(dense_path(src)), cpu_linear)
+    dtype, why = pick_cpu_dtype(config, cpu_linear)
     log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)
     return dtype
 

@@ -170,10 +170,13 @@ def _source(model: str | ModelSource | None) -> ModelSource:
     return model if isinstance(model, ModelSource) else resolve_model(model)
 
 
-def load_tokenizer(model: str | ModelSource | None) -> Any:
+def load_tokenizer(model: str | ModelSource | None, config: Any = None) -> Any:
+    """``config``: the model's, loaded already (else AutoTokenizer loads it again, through the model's
+    configuration module: seconds of imports)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(dense_path(_source(model)))
+    extra = {} if config is None else {"config": config}
+    return AutoTokenizer.from_pretrained(dense_path(_source(model)), **extra)
 
 
 def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype, quantization_config: Any = None) -> Any:
@@ -189,9 +192,46 @@ def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype, quantizat
 
 
 def load_config(model: str | ModelSource | None) -> Any:
+    """transformers' config of the model; a complete plain Llama config.json (see ``_plain_config``) is read as
+    a base ``PreTrainedConfig``, without importing transformers' Llama modules (seconds of a warm start-up)."""
+    path = dense_path(_source(model))
+    plain = _plain_config(Path(path))
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(dense_path(_source(model)))
+    return AutoConfig.from_pretrained(path)
+
+
+# A Llama config.json naming each of these (as transformers' save_pretrained writes them) holds every value
+# the engine reads: no class default is involved. Other model types have defaults that depend on other keys
+# (Mistral's and Qwen2's sliding windows), so they go through AutoConfig.
+_PLAIN_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+               "attention_bias", "mlp_bias", "rope_parameters", "eos_token_id")
+
+
+def _plain_config(path: Path) -> Any:
+    """The base ``PreTrainedConfig`` of a complete Llama config.json with default rope and no quantization or
+    remote code, else None."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") != "llama" or any(k not in raw for k in _PLAIN_KEYS):
+        return None
+    rope = raw["rope_parameters"]
+    if not isinstance(rope, dict) or rope.get("rope_type") != "default" or "rope_theta" not in rope:
+        return None
+    if "quantization_config" in raw or "auto_map" in raw:
+        return None
+    from transformers import configuration_utils
+
+    # PreTrainedConfig since transformers 5 (PretrainedConfig before; rope_parameters means a 5.x config anyway)
+    base = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
+    config = base(**raw)
+    config.name_or_path = str(path)  # as AutoConfig sets it
+    return config
 
 
 def check_decoder_only(config: Any) -> None:

@@ -6,6 +6,8 @@ slots in the explicit ``AttentionMetadata``. q/k/v and gate/up are fused into on
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -230,36 +232,71 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy transformers' weights in, fusing q/k/v and gate/up."""
+        self.load_weights(state.items())
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], take: bool = False) -> dict[str, int]:
+        """Copy weights named as in a transformers checkpoint in (converting dtype and device), fusing q/k/v
+        and gate/up; returns how many elements each own parameter received. ``take``: the tensors are the
+        caller's to give away, so a whole parameter of the right dtype and device becomes that tensor, uncopied.
+        A name with no place here raises KeyError, a shape that does not fit RuntimeError."""
         own = dict(self.named_parameters())
-        for name, tensor in state.items():
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if ".self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
-                proj = name.split(".")[-2]
-                fused = own[name.replace(proj, "qkv_proj")]
-                attn = self.layers[int(name.split(".")[1])].self_attn
-                offset = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[proj]
-                fused[offset : offset + tensor.shape[0]].copy_(tensor)
-            elif name.split(".")[-2] in ("gate_proj", "up_proj"):
-                proj = name.split(".")[-2]
-                fused = own[name.replace(proj, "gate_up_proj")]
-                offset = 0 if proj == "gate_proj" else fused.shape[0] // 2
-                fused[offset : offset + tensor.shape[0]].copy_(tensor)
+            target, offset = self._target(name)
+            dest = own[target]
+            part = dest[offset : offset + tensor.shape[0]] if target != name else dest
+            if part.shape != tensor.shape:
+                raise RuntimeError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(part.shape)}")
+            if take and target == name and tensor.dtype == dest.dtype and tensor.device == dest.device:
+                dest.data = tensor  # the Parameter object stays: a tied one stays tied
             else:
-                own[name].copy_(tensor)
+                part.copy_(tensor)
+            filled[target] = filled.get(target, 0) + tensor.numel()
+        return filled
+
+    def _target(self, name: str) -> tuple[str, int]:
+        """Where a checkpoint weight goes: the own parameter's name and the row it starts at."""
+        proj = name.split(".")[-2] if name.count(".") >= 2 else ""
+        if ".self_attn." in name and proj in ("q_proj", "k_proj", "v_proj"):
+            attn = self.layers[int(name.split(".")[1])].self_attn
+            offset = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[proj]
+            return name.replace(proj, "qkv_proj"), offset
+        if proj in ("gate_proj", "up_proj"):
+            mlp = self.layers[int(name.split(".")[1])].mlp
+            return name.replace(proj, "gate_up_proj"), 0 if proj == "gate_proj" else mlp.intermediate
+        return name, 0
 
 
 def build_model(config: Any, max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """An uninitialised model on ``device``: built on the meta device, since random init of weights that
-    are about to be overwritten takes seconds."""
-    with torch.device("meta"):
+    """An uninitialised model on ``device``: random init of weights that are about to be overwritten takes
+    seconds, and building on the meta device instead costs a first-use import of sympy (most of a second)."""
+    with torch.device(device), _without_random_init():
         net = LlamaForCausalLM(config, max_positions)
-    net = net.to_empty(device=device).to(dtype)
+    for module in net.modules():  # fresh empty storage in ``dtype``: .to(dtype) would read and convert garbage
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad))
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    with torch.device(device):
-        net.rotary = Rotary(config, net.head_dim, max_positions)
-    return net
+    return net  # the rotary tables (buffers, not parameters) stay as built: float32 on ``device``
+
+
+@contextlib.contextmanager
+def _without_random_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding keep ``torch.empty``'s memory as it is. Class-wide while it lasts (the way
+    transformers' own no_init_weights works): only for building a model whose weights are loaded next."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = _no_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
+def _no_init(module: nn.Module) -> None:
+    return None
