@@ -88,10 +88,12 @@ class Supervised:
         return "".join(f"---- {wid}\n{(self.logs / f'{wid}.log').read_text()[-2000:]}" for wid in self.procs)
 
     def up(self, wid: str) -> bool:
-        """The latest start of ``wid`` runs its loop (its SIGTERM handler is in place)."""
+        """The latest start of ``wid`` runs its loop (its SIGTERM handler is in place) and is not on its way
+        out sick (a SIGTERM then would meet a worker already exiting 3: seen once, at a load of ~6)."""
         with open(self.logs / f"{wid}.log", "rb") as f:
             f.seek(self.log_at_start[wid])
-            return f"worker {wid} on queue" in f.read().decode(errors="replace")
+            text = f.read().decode(errors="replace")
+        return f"worker {wid} on queue" in text and "engine sick" not in text
 
     def revive(self) -> None:
         """Restart the workers that exited sick; any other exit is a failure."""
