@@ -1,8 +1,9 @@
-"""Runs a module (``python -m`` style) whose engine takes at least PACE seconds a step, so a test that acts
-on a process "while it is still working" (a signal, a kill -9 part-way) holds on any machine, however fast
-it runs the tiny model: 1,000 tokens take 20 s or more.
+"""An engine that steps at most PACE times a second, so a test that acts on it "while it is still working"
+(a signal, a kill -9 part-way, a page read mid-batch) holds on any machine, however fast it runs the tiny
+model: the batch's progress is bounded by the clock (1,000 tokens take 20 s or more).
 
-Usage: ``python tests/paced.py worker --model ...`` runs ``python -m worker --model ...`` paced."""
+In a test's own process: ``PacedLLM``. In a subprocess: ``python tests/paced.py worker --model ...`` runs
+``python -m worker --model ...`` with every engine paced."""
 
 from __future__ import annotations
 
@@ -10,22 +11,51 @@ import runpy
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.llm import LLM  # noqa: E402
 from engine.outputs import Completion  # noqa: E402
 
-PACE = 0.02
-_step = LLM.step
+PACE = 50.0  # engine steps a second at the most
 
 
-def paced_step(self: LLM) -> list[Completion]:
-    time.sleep(PACE)
-    return _step(self)
+class Pace:
+    """Waits until 1/PACE s have passed since the last call returned."""
+
+    def __init__(self) -> None:
+        self.next = 0.0
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.next - time.monotonic()))
+        self.next = time.monotonic() + 1 / PACE
+
+
+class PacedLLM(LLM):
+    """``LLM`` stepping at most PACE times a second."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.pace = Pace()
+
+    def step(self) -> list[Completion]:
+        self.pace.wait()
+        return super().step()
+
+
+def _pace_every_engine() -> None:
+    """Every LLM in this process paced, whoever builds it (the worker and the CLI import LLM themselves)."""
+    step, pace = LLM.step, Pace()
+
+    def paced_step(self: LLM) -> list[Completion]:
+        pace.wait()
+        return step(self)
+
+    LLM.step = paced_step  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
-    LLM.step = paced_step  # type: ignore[method-assign]
+    _pace_every_engine()
     module, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -2,7 +2,7 @@
 against ``sluice serve`` with a batch in progress: login, a wrong key, the rendered progress, counts and
 error rows, a key that never reaches a URL, and the screenshot in docs/.
 
-The worker runs in this process on a paced engine (at most PACE steps a second), so the batch is in
+The worker runs in this process on a paced engine (tests/paced.py: at most PACE steps a second), so the batch is in
 progress with jobs still queued whenever the page is read, however fast the machine: its 3,000 jobs of
 48 tokens, 8 at a time, need at least 18,000 steps, six minutes at that pace, far longer than the reads.
 
@@ -16,7 +16,6 @@ import json
 import os
 import random
 import secrets
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +27,10 @@ from browser import CHROMIUM, Browser
 from cli_api_helpers import run_sluice, simple_lines, sluice_home, start_sluice, stop, wait_for_url
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, wait_for
+from paced import PacedLLM
 
 from api.rate_samples import MIN_GAP
 from cli.common import EXIT_SOME_FAILED
-from engine.llm import LLM
-from engine.outputs import Completion
 
 KEY = "sk-dash-" + secrets.token_hex(8)
 
@@ -41,23 +39,6 @@ KEY = "sk-dash-" + secrets.token_hex(8)
 class Up:
     url: str
     env: dict[str, str]
-
-
-PACE = 50.0  # steps a second at the most
-
-
-class PacedLLM(LLM):
-    """The engine, stepping at most PACE times a second: the batch's progress is bounded by the clock, not
-    by how fast this machine runs the model."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.next_step = 0.0
-
-    def step(self) -> list[Completion]:
-        time.sleep(max(0.0, self.next_step - time.monotonic()))
-        self.next_step = time.monotonic() + 1 / PACE
-        return super().step()
 
 
 @pytest.fixture(scope="module")
