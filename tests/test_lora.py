@@ -94,11 +94,13 @@ def test_mixed_batch_matches_peft(family: Family, impl: str) -> None:
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 def test_mixed_batch_under_preemption(family: Family, impl: str) -> None:
     rng = random.Random(fresh_seed())
-    # 10 blocks of 16 tokens (2 layers x K and V x 2 heads x 16 dims x 4 bytes per token) for 8 sequences
-    # that each grow to ~50 tokens: the cache must overflow.
+    # 10 blocks of 16 tokens (2 layers x K and V x 2 heads x 16 dims x 4 bytes per token). Prompts of 28-32
+    # tokens take 2 blocks, so at most 5 run at once, and each grows past 32 tokens into a 3rd block: the 5
+    # need 15 blocks, so the cache must overflow whatever the lengths drawn (with 20-40 tokens, a seed could
+    # draw lengths that fit).
     llm = family.llm(model_impl=impl, kv_cache_memory=10 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=8)
     assert llm.num_total_blocks == 10
-    _run_and_compare(family, llm, _mixed(random_prompts(rng, 8, 20, 40)))
+    _run_and_compare(family, llm, _mixed(random_prompts(rng, 8, 28, 32)))
     assert llm.stats["preemptions"] > 0
     assert llm.num_free_blocks == llm.num_total_blocks
 
