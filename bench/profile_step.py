@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -90,9 +91,14 @@ def main() -> None:
                     help="instead of profiling: R rounds of greedy vs sampled steps, interleaved")
     ap.add_argument("--prefill", action="store_true", help="profile the first prompt steps instead of decodes")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step's token budget")
+    ap.add_argument("--adapters", type=int, default=0, metavar="K",
+                    help="sequence i on LoRA adapter i mod K (bench/lora_throughput.py's rank-16 adapters)")
     args = ap.parse_args()
 
-    budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    budget: dict = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    adapters = lora_adapters(args.model, args.adapters)
+    if adapters:
+        budget.update(lora_modules=adapters, max_loras=len(adapters), max_lora_rank=16)
     # Prompt steps need only their prompts' blocks: a small cache starts quicker (touching 6 GiB took minutes
     # on a loaded machine).
     kv_gb = args.kv_cache_gb if args.kv_cache_gb is not None else (1.0 if args.prefill else 6.0)
@@ -106,7 +112,7 @@ def main() -> None:
     gen = args.context - args.prompt_len + max(args.steps, len(SETTINGS) * args.compare_sampling) + 8
     for i in range(args.batch):
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
-        llm.add_request(Request(f"p{i}", prompt_token_ids=prompt,
+        llm.add_request(Request(f"p{i}", prompt_token_ids=prompt, lora=f"a{i % args.adapters}" if adapters else None,
                                 params=SamplingParams(max_tokens=gen, ignore_eos=True)))
     t0 = time.perf_counter()
     while min((s.num_tokens for s in llm.scheduler.running), default=0) < args.context or llm.num_waiting:
@@ -121,6 +127,18 @@ def main() -> None:
     print(f"\ndecode step at batch {args.batch}, context ~{args.context}: {wall * 1e3:.1f} ms "
           f"({args.batch / wall:.0f} tok/s)")
     report(prof, wall, args)
+
+
+def lora_adapters(model: str | None, count: int) -> dict[str, str]:
+    """``count`` of bench/lora_throughput.py's random rank-16 adapters (made there once, reused)."""
+    if not count:
+        return {}
+    import lora_throughput  # bench/lora_throughput.py, beside this file
+
+    from engine.loader import dense_path, resolve_model
+
+    return lora_throughput.make_adapters(dense_path(resolve_model(model)), lora_throughput.OUT / "lora-adapters",
+                                         count, 16)
 
 
 def profile_prefill(llm: LLM, args: argparse.Namespace, rng: random.Random, vocab: int) -> None:

@@ -13,7 +13,7 @@ from helpers import fresh_seed
 
 from engine.lora.adapters import LoraAdapter, LoraWeights
 from engine.lora.batch import adapter_order, adapter_runs
-from engine.lora.layers import LoraHook, LoraStep
+from engine.lora.layers import GroupedRuns, LoraHook, LoraStep
 
 IN = 24
 PARTS = [("q", 0, 16), ("k", 16, 8), ("v", 24, 8)]  # a fused q/k/v output, 32 columns wide
@@ -39,7 +39,7 @@ def _reference(x: torch.Tensor, out: torch.Tensor, names: list[str | None], adap
     return want
 
 
-@pytest.mark.parametrize("layout", ["adapter-order", "interleaved"])
+@pytest.mark.parametrize("layout", ["grouped", "adapter-order", "interleaved"])
 def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     seed = fresh_seed()
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
@@ -50,15 +50,19 @@ def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     q_lens = [rng.choice([1, 1, 3]) for _ in seq_names]  # decodes and prompt chunks
     order = adapter_order(seq_names)
     assert order is not None and sorted(order) == list(range(len(seq_names)))
-    if layout == "adapter-order":
+    if layout != "interleaved":
         seq_names, q_lens = [seq_names[i] for i in order], [q_lens[i] for i in order]
     runs = adapter_runs(seq_names, q_lens)
-    if layout == "adapter-order":
+    if layout != "interleaved":
         assert [name for name, _, _ in runs] == ["all", "k-only", "qv"]
     else:
         assert len(runs) > len(adapters)  # some adapter split over runs: still right
     names = [n for n, q in zip(seq_names, q_lens, strict=True) for _ in range(q)]  # per packed row
     step = LoraStep([(adapters[n], a, b) for n, a, b in runs], torch.empty(len(names) * 8 * 3))
+    if layout == "grouped":  # every run's shrink one grouped GEMM (ranks 3x4, 2, 2x8: the stack zero-padded)
+        lo = runs[0][1]
+        step.grouped = GroupedRuns(lo, runs[-1][2], torch.tensor([e - lo for _, _, e in runs], dtype=torch.int32),
+                                   tuple(n for n, _, _ in runs))
     hook = LoraHook(parts=list(PARTS), step=step)
     x = torch.randn(len(names), IN, generator=gen)
     out = torch.randn(len(names), WIDTH, generator=gen)
@@ -67,14 +71,21 @@ def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     base = [i for i, n in enumerate(names) if n is None]
     assert torch.equal(out[base], want[base])  # the base rows untouched, to the bit
+    if layout == "grouped":  # a second step on the same adapters reuses the stacked A; fresh rows, same rule
+        assert hook.shrink[0] == step.grouped.key
+        out2 = torch.randn(len(names), WIDTH, generator=gen)
+        want2 = _reference(x, out2, names, adapters)
+        hook(torch.nn.Identity(), (x,), out2)
+        torch.testing.assert_close(out2, want2, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_order_is_one_run_per_adapter_base_first_and_stable() -> None:
+def test_adapter_order_is_one_run_per_adapter_base_first_by_name_and_stable() -> None:
     names = ["b", None, "a", "b", None, "a", "c"]
     order = adapter_order(names)
-    assert order == [1, 4, 0, 3, 2, 5, 6]
-    assert adapter_order([names[i] for i in order]) is None  # already grouped: left as it is
-    assert adapter_order(["a", "a", None, "b"]) is None  # the base may be anywhere, as one run
+    assert order == [1, 4, 2, 5, 0, 3, 6]
+    assert adapter_order([names[i] for i in order]) is None  # already in order: left as it is
+    assert adapter_order(["a", "a", None, "b"]) == [2, 0, 1, 3]  # the base first: the adapters' rows back to back
+    assert adapter_order([None, "a", "b"]) is None
     assert adapter_order([]) is None
 
 

@@ -9,14 +9,10 @@ import numpy as np
 
 def adapter_order(names: Sequence[str | None]) -> list[int] | None:
     """The order of the sequences (one adapter name each, None = the base) that puts each adapter's in one
-    run, base first, the rest by first appearance, stable within a run; None if they already lie so."""
-    runs = sum(1 for i, name in enumerate(names) if i == 0 or name != names[i - 1])
-    if runs == len(set(names)):
-        return None
-    first: dict[str | None, int] = {None: -1}
-    for i, name in enumerate(names):
-        first.setdefault(name, i)
-    return sorted(range(len(names)), key=lambda i: first[names[i]])
+    run: base first, then the adapters by name (so the step's stacked LoRA weights, engine/lora/layers.py,
+    stay as they are while the same adapters run), stable within a run; None if they already lie so."""
+    order = sorted(range(len(names)), key=lambda i: (names[i] is not None, names[i] or ""))
+    return None if order == list(range(len(names))) else order
 
 
 def adapter_runs(names: Sequence[str | None], q_lens: Sequence[int]) -> list[tuple[str, int, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -11,7 +12,15 @@ from torch import nn
 
 from engine.lora.adapters import AdapterCache, LoraAdapter, Target
 from engine.lora.batch import adapter_runs
-from engine.lora.layers import KernelStep, LoraHook, LoraStep, Site, native_targets, transformers_targets
+from engine.lora.layers import (
+    GroupedRuns,
+    KernelStep,
+    LoraHook,
+    LoraStep,
+    Site,
+    native_targets,
+    transformers_targets,
+)
 
 
 class LoraManager:
@@ -62,7 +71,9 @@ class LoraManager:
                 self._hook(adapter)
             longest = max(end - start for _, start, end in runs)
             kernel = self._kernel_step(runs, list(adapters.values()), sum(q_lens)) if self.use_kernel else None
-            step = LoraStep([(adapters[n], start, end) for n, start, end in runs], self._scratch(longest), kernel)
+            grouped = None if self.use_kernel else self._grouped(runs)
+            step = LoraStep([(adapters[n], start, end) for n, start, end in runs], self._scratch(longest), kernel,
+                            grouped)
         for hook in self.hooks.values():
             hook.step = step
 
@@ -72,6 +83,17 @@ class LoraManager:
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=self.cache.dtype, device=self.device)
         return self.scratch
+
+    def _grouped(self, runs: list[tuple[str, int, int]]) -> GroupedRuns | None:
+        """The runs as one grouped shrink reads them, if they lie back to back, one per adapter (as
+        ``adapter_order`` lays them) and torch's CPU grouped GEMM takes the dtype."""
+        if self.device.type != "cpu" or self.cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if len({name for name, _, _ in runs}) < len(runs) or any(a[2] != b[1] for a, b in itertools.pairwise(runs)):
+            return None
+        lo = runs[0][1]
+        offs = torch.tensor([end - lo for _, _, end in runs], dtype=torch.int32)
+        return GroupedRuns(lo, runs[-1][2], offs, tuple(name for name, _, _ in runs))
 
     def _kernel_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter], num_rows: int) -> KernelStep:
         slot = {a.name: i for i, a in enumerate(adapters)}
