@@ -59,7 +59,7 @@ def test_hook_matches_each_rows_own_delta(layout: str) -> None:
         assert len(runs) > len(adapters)  # some adapter split over runs: still right
     names = [n for n, q in zip(seq_names, q_lens, strict=True) for _ in range(q)]  # per packed row
     step = LoraStep([(adapters[n], a, b) for n, a, b in runs], torch.empty(len(names) * 8 * 3))
-    if layout == "grouped":  # every run's shrink one grouped GEMM (ranks 3x4, 2, 2x8: the stack zero-padded)
+    if layout == "grouped":  # one grouped GEMM per shrink and target (ranks 4, 2, 8 and targets missing: zero-padded)
         lo = runs[0][1]
         step.grouped = GroupedRuns(lo, runs[-1][2], torch.tensor([e - lo for _, _, e in runs], dtype=torch.int32),
                                    tuple(n for n, _, _ in runs))
@@ -72,7 +72,7 @@ def test_hook_matches_each_rows_own_delta(layout: str) -> None:
     base = [i for i, n in enumerate(names) if n is None]
     assert torch.equal(out[base], want[base])  # the base rows untouched, to the bit
     if layout == "grouped":  # a second step on the same adapters reuses the stacked A; fresh rows, same rule
-        assert hook.shrink[0] == step.grouped.key
+        assert hook.grouped[0] == step.grouped.key
         out2 = torch.randn(len(names), WIDTH, generator=gen)
         want2 = _reference(x, out2, names, adapters)
         hook(torch.nn.Identity(), (x,), out2)

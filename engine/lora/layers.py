@@ -6,13 +6,18 @@ transformers path it is a whole ``nn.Linear``. A forward hook on the layer (what
 ``nn.Linear``, a packed or quantized replacement) adds each row group's delta to its output in place.
 
 On CPU the model runner puts the step's sequences in adapter order (engine/lora/batch.py), so each
-adapter's rows are one contiguous run of the packed batch, the runs back to back: the shrink of every run
-over all the layer's targets at once is ONE grouped GEMM (``torch._grouped_mm``: the runs' row ranges, each
-against its adapter's A stacked over the targets with the scales folded in; the stack is kept per hook
-while the step's adapters stay the same), then one ``addmm_`` per run and target straight into its columns
-of the output rows (a strided view: no gather, no scatter, no delta tensor, and no block-diagonal B
-multiplying zeros). Runs that do not lie so (an adapter split in two) take one shrink GEMM per run.
-A grouped expand (per target, one grouped GEMM into a delta then one add) measured no better at 4 adapters. One layer, 160 rows, one thread, on a loaded machine (so rough):
+adapter's rows are one contiguous run of the packed batch, the runs back to back. Then a layer's LoRA is
+a few grouped GEMMs (``torch._grouped_mm``: each run's rows against its adapter's weights), however many
+adapters run: one shrink over all the layer's targets (their A side by side, scales folded in), and per
+target one expand into a delta added to its columns of the output. The stacked weights are kept per hook
+while the step's adapters stay the same (the order sorts adapters by name, so batch churn does not
+restack). Otherwise (one run, or runs that do not lie so), per run: one shrink GEMM over the layer's
+targets into a step-long scratch buffer, then one ``addmm_`` per target straight into its columns of the
+output rows (a strided view: no gather, no scatter, no delta tensor). With 2 threads on a loaded
+machine every small GEMM pays for its threads' barrier, so the count matters: at 4 adapters a native
+decode step (120 hooks) made 480 shrink + 840 expand GEMMs the per-run way, and makes 120 + 210 grouped
+GEMMs and 210 adds this way, at 16 adapters too. The per-run form measured, one layer, 160 rows, one
+thread, on a loaded machine (so rough):
 at 4 adapters 0.11-0.19x of the layer's base GEMM time against 0.20-0.21x for the former gathered form
 (a block-diagonal expand per group, deltas added back with ``index_add_``); at 16 adapters 0.18x vs 0.31x.
 """
@@ -43,6 +48,17 @@ class FusedWeights:
     target's scale folded in, and per target (output column, width, its A rows r0:r1, B^T ``[r, width]``)."""
 
     a_t: torch.Tensor
+    parts: list[tuple[int, int, int, int, torch.Tensor]]
+
+
+@dataclass
+class GroupedWeights:
+    """The step's adapters (one per run, in run order) in one layer, for the grouped GEMMs: A of every
+    target side by side, scales folded in, ``[runs, in, R]``; per target (output column, width, its
+    columns c0:c1 of the shrink, B^T ``[runs, c1 - c0, width]``). A target's columns are the widest rank
+    among the adapters; an adapter of lower rank, or without the target, has zeros there."""
+
+    a: torch.Tensor
     parts: list[tuple[int, int, int, int, torch.Tensor]]
 
 
@@ -86,9 +102,8 @@ class LoraHook:
     # Per target: the groups' weights stacked for the kernel, and the adapters they were stacked for.
     stacks: dict[str, tuple[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
         default_factory=dict)
-    # The grouped shrink's weights: each run's adapter's stacked A ``[runs, in, R]`` (R: the widest of
-    # theirs, the rest zero) and the adapters they were stacked for; None: no run's adapter targets this layer.
-    shrink: tuple[tuple[str, ...], torch.Tensor | None] = ((), None)
+    # The grouped GEMMs' weights and the adapters (one per run) they were stacked for.
+    grouped: tuple[tuple[str, ...], GroupedWeights | None] = ((), None)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         step = self.step
@@ -99,7 +114,7 @@ class LoraHook:
         if step.kernel is not None:
             self._launch(x, out, step)
             return
-        if step.grouped is not None and _groupable(x):
+        if step.grouped is not None and _groupable(x, self.parts):
             self._grouped(x, out, step, step.grouped)
             return
         for adapter, start, end in step.runs:
@@ -112,30 +127,44 @@ class LoraHook:
             _expand(out[start:end], s, f)
 
     def _grouped(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep, g: GroupedRuns) -> None:
-        a = self._shrink_stack(step, g.key)
-        if a is None:
+        stack = self._grouped_stack(step, g.key)
+        if stack is None:
             return
-        s = torch._grouped_mm(x[g.lo : g.hi], a, offs=g.offs)  # every run's shrink: one GEMM
-        for adapter, start, stop in step.runs:
-            f = self._fused(adapter)
-            if f is not None:
-                _expand(out[start:stop], s[start - g.lo : stop - g.lo], f)
+        s = torch._grouped_mm(x[g.lo : g.hi], stack.a, offs=g.offs)  # every run's shrink: one GEMM
+        rows = out[g.lo : g.hi]
+        for col, width, c0, c1, b in stack.parts:  # per target, every run's expand: one GEMM, one add
+            rows[:, col : col + width] += torch._grouped_mm(s[:, c0:c1], b, offs=g.offs)
 
-    def _shrink_stack(self, step: LoraStep, key: tuple[str, ...]) -> torch.Tensor | None:
-        """The runs' adapters' stacked A for this layer, made when the step's adapters change."""
-        if self.shrink[0] == key:
-            return self.shrink[1]
-        fused = [self._fused(adapter) for adapter, _, _ in step.runs]
-        present = [f for f in fused if f is not None]
+    def _grouped_stack(self, step: LoraStep, key: tuple[str, ...]) -> GroupedWeights | None:
+        """The runs' adapters' weights for this layer stacked for the grouped GEMMs, made when the step's
+        adapters change; None if none of them targets this layer."""
+        if self.grouped[0] == key:
+            return self.grouped[1]
+        adapters = [adapter for adapter, _, _ in step.runs]
+        targets = []  # (target, col, width, its columns c0:c1 of the shrink, the runs' weights)
+        c0 = 0
+        for target, col, width in self.parts:
+            weights = [a.modules.get(target) for a in adapters]
+            rank = max((w.a.shape[0] for w in weights if w is not None), default=0)
+            if rank:
+                targets.append((col, width, c0, c0 + rank, weights))
+                c0 += rank
         stack = None
-        if present:
-            like = present[0].a_t
-            width = -(-max(f.a_t.shape[1] for f in present) // 8) * 8  # the grouped GEMM's 16-byte strides
-            stack = like.new_zeros(len(fused), like.shape[0], width)
-            for i, f in enumerate(fused):
-                if f is not None:
-                    stack[i, :, : f.a_t.shape[1]] = f.a_t
-        self.shrink = (key, stack)
+        if targets:
+            like = next(w for *_, ws in targets for w in ws if w is not None).a
+            # Lower ranks and absent targets are zeros; the shrink's row 16-byte aligned, as the GEMM wants.
+            a = like.new_zeros(len(adapters), like.shape[1], -(-c0 // 8) * 8)
+            parts = []
+            for col, width, t0, t1, weights in targets:
+                b = like.new_zeros(len(adapters), t1 - t0, width)
+                for i, w in enumerate(weights):
+                    if w is not None:
+                        r = w.a.shape[0]
+                        a[i, :, t0 : t0 + r] = (w.a * w.scale).t()
+                        b[i, :r] = w.b.t()
+                parts.append((col, width, t0, t1, b))
+            stack = GroupedWeights(a, parts)
+        self.grouped = (key, stack)
         return stack
 
     def _fused(self, adapter: LoraAdapter) -> FusedWeights | None:
@@ -192,9 +221,9 @@ class LoraHook:
         return stack
 
 
-def _groupable(x: torch.Tensor) -> bool:
-    """Whether torch's CPU grouped GEMM takes ``x``: rows a multiple of 16 bytes apart."""
-    return x.stride(1) == 1 and x.stride(0) * x.element_size() % 16 == 0
+def _groupable(x: torch.Tensor, parts: list[tuple[str, int, int]]) -> bool:
+    """Whether torch's CPU grouped GEMM takes ``x`` and the targets' B: rows a multiple of 16 bytes apart."""
+    return x.stride(1) == 1 and all(n * x.element_size() % 16 == 0 for n in (x.stride(0), *(w for _, _, w in parts)))
 
 
 def _expand(rows: torch.Tensor, s: torch.Tensor, f: FusedWeights) -> None:

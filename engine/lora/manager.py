@@ -85,9 +85,9 @@ class LoraManager:
         return self.scratch
 
     def _grouped(self, runs: list[tuple[str, int, int]]) -> GroupedRuns | None:
-        """The runs as one grouped shrink reads them, if they lie back to back, one per adapter (as
+        """The runs as the grouped GEMMs read them, if there are several, back to back, one per adapter (as
         ``adapter_order`` lays them) and torch's CPU grouped GEMM takes the dtype."""
-        if self.device.type != "cpu" or self.cache.dtype not in (torch.float32, torch.bfloat16):
+        if len(runs) < 2 or self.device.type != "cpu" or self.cache.dtype not in (torch.float32, torch.bfloat16):
             return None
         if len({name for name, _, _ in runs}) < len(runs) or any(a[2] != b[1] for a, b in itertools.pairwise(runs)):
             return None
