@@ -113,6 +113,9 @@ def timed(fn: Any) -> tuple[Any, float, float]:
     out = fn()
     return out, time.perf_counter() - t0, tree_cpu_seconds() - c0
 def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> tuple[list[list[float]], dict[str, Any]]:
+    from engine.omp_spin import short_omp_spin
+
+    spin = short_omp_spin()  # before torch loads, as `sluice worker` / `sluice generate` do for an embedding model
     from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
 
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
@@ -123,7 +126,9 @@ def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> 
     return [o.embeddings[0] for o in outs], {"seconds": secs, "cpu_seconds": cpu, "steps": s["steps"], "padding_share": s["padding_share"],
                                              "settings": f"max_num_batched_tokens {eng.config.max_num_batched_tokens}, "
                                                          f"max_num_seqs {args.max_num_seqs}, "
-                                                         f"{eng.model.attention} attention"}
+                                                         f"{eng.model.attention} attention, GOMP_SPINCOUNT "
+                                                         f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}"
+                                                         f"{'' if spin else ' (as given)'}"}
 
 
 def child_st(texts: list[str], model_dir: str, batch_sizes: list[int]) -> tuple[list[list[float]], dict[str, Any]]:
