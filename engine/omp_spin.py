@@ -1,13 +1,13 @@
 """How long torch's OpenMP threads spin after a parallel region before they sleep, for an embedding run.
 
 torch on Linux runs its threads on GNU OpenMP (libgomp), whose idle threads spin for 300,000 rounds
-(milliseconds) after every parallel region unless told otherwise. An encoder's forward pass is a
+(around a millisecond or more) after every parallel region unless told otherwise. An encoder's forward pass is a
 chain of short regions with Python in between, and on a machine that other processes load too, a
 spinning thread takes the core its own partner (or a neighbour) needs: the same 500 passages of
 all-MiniLM-L6-v2 took 15-19 CPU-seconds with the default and 8-10 with a spin of 1,000 rounds or
 none (OMP_WAIT_POLICY=PASSIVE), at load average ~9 on 2 cores (bench/embed_throughput.py's child,
-interleaved). vLLM's CPU build does the same with Intel's OpenMP (KMP_BLOCKTIME=1). libgomp reads
-the setting once, when it loads (with torch), so it has to be in the environment before that: the
+interleaved; bench/embed_throughput.py's vLLM, on Intel's OpenMP, lost far less under that load).
+libgomp reads the setting once, when it loads (with torch), so it has to be in the environment before that: the
 CLI sets it for an embedding model before it imports torch. A user's own OMP_WAIT_POLICY or
 GOMP_SPINCOUNT wins. No torch import here, on purpose.
 """
