@@ -211,7 +211,7 @@ def run_system(system: str, args: argparse.Namespace, workload: Path, rnd: int) 
     r = json.loads(result.read_text())
     result.unlink()
     return {"system": system, "round": rnd, **r["info"], "vectors": torch.tensor(r["vectors"], dtype=torch.float64),
-            "load_before": load_before, "load_after": os.getloadavg()}
+            "process_seconds": time.time() - t, "load_before": load_before, "load_after": os.getloadavg()}
 
 
 def main() -> None:
@@ -273,7 +273,8 @@ def line(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"round {r['round']} {r['system']:8s} could not run: {r['error']}"
     return (f"round {r['round']} {r['system']:8s} {r['texts_per_s']:8.1f} texts/s {r['tokens_per_s']:9.0f} tokens/s "
-            f"{r['tokens_per_cpu_s']:8.0f} tokens/CPU-s ({r['seconds']:.1f} s; {r['settings']}; "
+            f"{r['tokens_per_cpu_s']:8.0f} tokens/CPU-s ({r['seconds']:.1f} s, {r['process_seconds']:.0f} s with start-up; "
+            f"{r['settings']}; "
             f"load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f})")
 
 
