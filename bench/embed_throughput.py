@@ -1,7 +1,8 @@
-"""Embedding throughput on one machine, one run: Sluice's EmbeddingEngine against sentence-transformers'
-``encode`` (and vLLM's CPU build where its venv can be had), on all-MiniLM-L6-v2 from the PyPI wheel.
+"""Embedding throughput on one machine: Sluice's EmbeddingEngine against sentence-transformers' ``encode``
+(and vLLM's CPU build where its venv can be had), on all-MiniLM-L6-v2 from the PyPI wheel.
 
     python bench/embed_throughput.py                       # 5,000 passages; sluice, st-32, st-best, vllm
+    python bench/embed_throughput.py --systems sluice,vllm --rounds 3 --num-passages 2500   # Sluice vs vLLM
     python bench/embed_throughput.py --num-passages 500 --systems sluice,st-32 --tag quick
 
 The workload: ``--num-passages`` passages of mixed length (a third short, a third medium, a third past
@@ -13,6 +14,11 @@ each of ``--st-batch-sizes`` and keeps the fastest. Texts/s counts passages; tok
 embedded (after truncation), the same for every system. The vectors of each system are compared with
 Sluice's (cosine). The load average before and after each run is recorded: numbers taken while other
 work shares the machine are not final.
+
+``--rounds N`` runs the whole list of systems N times, alternately (sluice, vllm, sluice, vllm, ...; each
+run its own process, the same passages), and reports every round's ratio of Sluice to each other system
+and the median over rounds: a machine whose speed drifts over minutes (a neighbour's load, thermal or
+frequency changes) then moves both sides of a ratio alike instead of deciding it.
 Writes bench/out/TAG.json and TAG.md; each child's log goes to bench/out/logs/.
 """
 
@@ -23,6 +29,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -106,6 +113,9 @@ def timed(fn: Any) -> tuple[Any, float, float]:
     out = fn()
     return out, time.perf_counter() - t0, tree_cpu_seconds() - c0
 def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> tuple[list[list[float]], dict[str, Any]]:
+    from engine.omp_spin import short_omp_spin
+
+    spin = short_omp_spin()  # before torch loads, as `sluice worker` / `sluice generate` do for an embedding model
     from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
 
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
@@ -116,7 +126,9 @@ def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> 
     return [o.embeddings[0] for o in outs], {"seconds": secs, "cpu_seconds": cpu, "steps": s["steps"], "padding_share": s["padding_share"],
                                              "settings": f"max_num_batched_tokens {eng.config.max_num_batched_tokens}, "
                                                          f"max_num_seqs {args.max_num_seqs}, "
-                                                         f"{eng.model.attention} attention"}
+                                                         f"{eng.model.attention} attention, GOMP_SPINCOUNT "
+                                                         f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}"
+                                                         f"{'' if spin else ' (as given)'}"}
 
 
 def child_st(texts: list[str], model_dir: str, batch_sizes: list[int]) -> tuple[list[list[float]], dict[str, Any]]:
@@ -163,20 +175,21 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 # ---- the parent ---------------------------------------------------------------------------------
-def run_system(system: str, args: argparse.Namespace, workload: Path) -> dict[str, Any]:
+def run_system(system: str, args: argparse.Namespace, workload: Path, rnd: int) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     import throughput  # bench/throughput.py: the vLLM venv and its environment
 
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log, result = logs / f"{args.tag}-{system}.log", OUT / "tmp" / f"{args.tag}-{system}.json"
+    name = f"{args.tag}-{system}" + (f"-r{rnd}" if args.rounds > 1 else "")
+    log, result = logs / f"{name}.log", OUT / "tmp" / f"{name}.json"
     result.parent.mkdir(exist_ok=True)
     result.unlink(missing_ok=True)
     py, env = sys.executable, dict(os.environ, PYTHONPATH=str(ROOT))
     if system == "vllm":
         why = throughput.ensure_vllm(args.vllm_venv, logs / "vllm_env.log")
         if why:
-            return {"system": system, "error": why}
+            return {"system": system, "round": rnd, "error": why}
         py, env = str(args.vllm_venv / "bin" / "python"), throughput.vllm_env(args.vllm_venv)
     budget = [] if args.max_num_batched_tokens is None else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd = [py, str(Path(__file__).resolve()), "--child", system, "--workload", str(workload), "--result", str(result),
@@ -191,17 +204,21 @@ def run_system(system: str, args: argparse.Namespace, workload: Path) -> dict[st
             rc = "timeout"
     if rc != 0 or not result.exists():
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        return {"system": system, "error": f"exit {rc} after {time.time() - t:.0f}s; log {log}: " + " | ".join(tail)}
+        return {"system": system, "round": rnd,
+                "error": f"exit {rc} after {time.time() - t:.0f}s; log {log}: " + " | ".join(tail)}
+    import torch
+
     r = json.loads(result.read_text())
     result.unlink()
-    return {"system": system, **r["info"], "vectors": r["vectors"], "load_before": load_before,
-            "load_after": os.getloadavg()}
+    return {"system": system, "round": rnd, **r["info"], "vectors": torch.tensor(r["vectors"], dtype=torch.float64),
+            "process_seconds": time.time() - t, "load_before": load_before, "load_after": os.getloadavg()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-passages", type=int, default=5000)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times, alternately")
     ap.add_argument("--st-batch-sizes", default="16,64,128,256", help="st-best: encode's batch sizes to try")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="sluice: the token budget of a pass (default: EmbeddingConfig's)")
@@ -220,6 +237,8 @@ def main() -> None:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise SystemExit(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
 
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
@@ -235,64 +254,94 @@ def main() -> None:
     workload.parent.mkdir(exist_ok=True)
     workload.write_text(json.dumps({"model_dir": model_dir, "texts": texts}))
     print(f"{len(texts)} passages, {tokens} tokens embedded (after truncation to 256), model {model_dir}", flush=True)
+    started = time.time()
     results = []
-    for s in systems:
-        r = run_system(s, args, workload)
-        if "error" not in r:
-            r["texts_per_s"] = len(texts) / r["seconds"]
-            r["tokens_per_s"] = tokens / r["seconds"]
-            r["tokens_per_cpu_s"] = tokens / r["cpu_seconds"]
-        results.append(r)
-        print(f"  {line(r)}", flush=True)
+    for rnd in range(1, args.rounds + 1):
+        for s in systems:
+            r = run_system(s, args, workload, rnd)
+            if "error" not in r:
+                r["texts_per_s"] = len(texts) / r["seconds"]
+                r["tokens_per_s"] = tokens / r["seconds"]
+                r["tokens_per_cpu_s"] = tokens / r["cpu_seconds"]
+            results.append(r)
+            print(f"  {line(r)}", flush=True)
     agreement(results)
-    report(args, results, len(texts), tokens)
+    report(args, results, len(texts), tokens, time.time() - started)
 
 
 def line(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"{r['system']:8s} could not run: {r['error']}"
-    return (f"{r['system']:8s} {r['texts_per_s']:8.1f} texts/s {r['tokens_per_s']:9.0f} tokens/s "
-            f"{r['tokens_per_cpu_s']:8.0f} tokens/CPU-s ({r['seconds']:.1f} s; {r['settings']}; "
+        return f"round {r['round']} {r['system']:8s} could not run: {r['error']}"
+    return (f"round {r['round']} {r['system']:8s} {r['texts_per_s']:8.1f} texts/s {r['tokens_per_s']:9.0f} tokens/s "
+            f"{r['tokens_per_cpu_s']:8.0f} tokens/CPU-s ({r['seconds']:.1f} s, {r['process_seconds']:.0f} s with start-up; "
+            f"{r['settings']}; "
             f"load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f})")
 
 
 def agreement(results: list[dict[str, Any]]) -> None:
-    """Each system's vectors against Sluice's: the smallest cosine over all passages."""
+    """Each run's vectors against the first Sluice run's: the smallest cosine over all passages."""
     import torch
 
-    ref = next((r.get("vectors") for r in results if r["system"] == "sluice"), None)
+    ref = next((r["vectors"] for r in results if r["system"] == "sluice" and "vectors" in r), None)
     for r in results:
         vecs = r.pop("vectors", None)
         if ref is not None and vecs is not None:
-            a, b = torch.tensor(vecs, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
-            r["min_cosine_vs_sluice"] = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+            r["min_cosine_vs_sluice"] = torch.nn.functional.cosine_similarity(vecs, ref, dim=-1).min().item()
 
 
-def report(args: argparse.Namespace, results: list[dict[str, Any]], n: int, tokens: int) -> None:
+def round_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per other system: Sluice's tokens/s over its tokens/s in each round where both ran, and the median."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in results:
+        if "error" not in r:
+            by_round.setdefault(r["round"], {})[r["system"]] = r["tokens_per_s"]
+    out: dict[str, dict[str, Any]] = {}
+    for rnd, rates in sorted(by_round.items()):
+        for system, rate in rates.items():
+            if system != "sluice" and "sluice" in rates:
+                out.setdefault(system, {"rounds": {}})["rounds"][rnd] = rates["sluice"] / rate
+    for v in out.values():
+        v["median"] = statistics.median(v["rounds"].values())
+    return out
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]], n: int, tokens: int, seconds: float) -> None:
     sys.path.insert(0, str(HERE))
     import throughput
 
     m = throughput.machine()
-    ok = {r["system"]: r for r in results if "error" not in r}
-    base = ok.get("st-best") or ok.get("st-32")
-    rows = ["| system | texts/s | tokens/s | vs sentence-transformers (best) | tokens per CPU-second | "
+    ok = [r for r in results if "error" not in r]
+    rows = ["| round | system | texts/s | tokens/s | vs sentence-transformers (best) | tokens per CPU-second | "
             "min cosine vs Sluice | settings | load avg before -> after |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['system']} | - | - | - | - | - | could not run: {r['error'][:200]} | |")
+            rows.append(f"| {r['round']} | {r['system']} | - | - | - | - | - | could not run: {r['error'][:200]} | |")
             continue
+        same = {x["system"]: x for x in ok if x["round"] == r["round"]}
+        base = same.get("st-best") or same.get("st-32")
         ratio = f"{r['texts_per_s'] / base['texts_per_s']:.2f}x" if base else "-"
         cos = f"{r['min_cosine_vs_sluice']:.7f}" if "min_cosine_vs_sluice" in r else "-"
-        rows.append(f"| {r['system']} | {r['texts_per_s']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+        rows.append(f"| {r['round']} | {r['system']} | {r['texts_per_s']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
                     f"{r['tokens_per_cpu_s']:.0f} | {cos} | {r['settings']} | "
                     f"{r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f} |")
+    ratios = round_ratios(results)
+    if ratios:
+        rows += ["", "| Sluice / system (tokens/s) | " + " | ".join(f"round {i}" for i in range(1, args.rounds + 1)) +
+                 " | median |", "| --- |" + " ---: |" * (args.rounds + 1)]
+        for system, v in ratios.items():
+            cells = [f"{v['rounds'][i]:.2f}x" if i in v["rounds"] else "-" for i in range(1, args.rounds + 1)]
+            rows.append(f"| {system} | " + " | ".join(cells) + f" | {v['median']:.2f}x |")
     head = (f"{n} passages ({tokens} tokens after truncation to 256), {MODEL} float32, "
-            f"{throughput.describe_cpu(m)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+            f"{throughput.describe_cpu(m)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{args.rounds} round(s), {seconds / 60:.1f} min in all")
     md = head + "\n\n" + "\n".join(rows) + "\n"
     (OUT / f"{args.tag}.md").write_text(md)
-    (OUT / f"{args.tag}.json").write_text(json.dumps({"machine": m, "passages": n, "tokens": tokens,
-                                                      "results": results}, indent=1))
+    (OUT / f"{args.tag}.json").write_text(json.dumps({"machine": m, "passages": n, "tokens": tokens, "rounds": args.rounds,
+                                                      "seconds": seconds, "results": results,
+                                                      "ratios": {k: {"rounds": {str(i): x for i, x in v["rounds"].items()},
+                                                                     "median": v["median"]} for k, v in ratios.items()}},
+                                                     indent=1))
     print("\n" + md + f"\nwritten: {OUT / (args.tag + '.md')}, {OUT / (args.tag + '.json')}")
 
 

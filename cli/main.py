@@ -88,7 +88,7 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     if wants_dataset(rows, input_file, output_file):
         _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress)
         return
-    need_engine()
+    need_engine(model)
     from worker.generate_file import generate_file
 
     to_stdout = output_file == STDIO

@@ -100,7 +100,7 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
                grace_period: float, lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
                worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
-    need_engine()
+    need_engine(model)
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget,
@@ -213,7 +213,7 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
     The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
-    need_engine()
+    need_engine(model)
     started: list[EmbeddedServer] = []
 
     def note_start(server: EmbeddedServer) -> None:

