@@ -44,7 +44,7 @@ class PacedLLM(LLM):
         return super().step()
 
 
-def _pace_every_engine() -> None:
+def pace_every_engine() -> None:
     """Every LLM in this process paced, whoever builds it (the worker and the CLI import LLM themselves)."""
     step, pace = LLM.step, Pace()
 
@@ -56,6 +56,6 @@ def _pace_every_engine() -> None:
 
 
 if __name__ == "__main__":
-    _pace_every_engine()
+    pace_every_engine()
     module, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

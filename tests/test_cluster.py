@@ -9,11 +9,13 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import (
     ThreadWorker,
@@ -24,6 +26,7 @@ from jobs_helpers import (
     wait_for,
     worker_process,
 )
+from paced import PacedLLM
 
 from api.app import create_app
 from api.settings import Settings
@@ -37,8 +40,8 @@ pytest_plugins = ["cluster_fixtures"]
 pytestmark = pytest.mark.cluster
 
 
-def engine(model_dir: Path, max_num_seqs: int = 8) -> LLM:
-    return LLM(str(model_dir), dtype="float32", max_num_seqs=max_num_seqs, kv_cache_memory=4 << 20)
+def engine(model_dir: Path, max_num_seqs: int = 8, cls: type = LLM) -> Any:
+    return cls(str(model_dir), dtype="float32", max_num_seqs=max_num_seqs, kv_cache_memory=4 << 20)
 
 
 def final(r: redis.Redis, batch_id: str) -> bool:
@@ -55,7 +58,8 @@ def test_batches_spread_over_the_nodes_two_workers_share_them(cr: redis.Redis, c
         assert len(slots) == 1, (b.id, slots)
     nodes = Counter(cluster.node_of(keys.meta(b.id)) for b in batches)
     assert set(nodes) == {0, 1, 2}, f"24 batches did not reach every node: {nodes}"
-    workers = [ThreadWorker(engine(tiny_model_dir), worker_id=f"w{i}") for i in range(2)]
+    llms = [engine(tiny_model_dir) for _ in range(2)]  # both built before either starts: neither has a head start
+    workers = [ThreadWorker(llm, worker_id=f"w{i}") for i, llm in enumerate(llms)]
     try:
         wait_for(lambda: {w["id"] for w in list_workers(cr)} >= {"w0", "w1"}, 30, "both heartbeats")
         wait_for(lambda: all(final(cr, b.id) for b in batches), 120, "every batch to finish")
@@ -75,7 +79,8 @@ def test_kill_9_worker_then_another_reclaims(cr: redis.Redis, tiny_model_dir: Pa
     n = 60
     b = submit(prompt_lines(n, rng, max_tokens=10), r=cr, model="tiny")
     log = tmp_path / "worker.log"
-    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "12", "--kv-cache-memory", str(4 << 20), log=log)
+    p = worker_process(tiny_model_dir, "w1", "--max-num-seqs", "12", "--kv-cache-memory", str(4 << 20), log=log,
+                       paced=True)  # still holding jobs when killed, however fast the machine
     try:
         wait_for(lambda: cr.hlen(keys.done(b.id)) >= 10 or p.poll() is not None, 120, "10 results")
         assert p.poll() is None, log.read_text()[-3000:]
@@ -97,7 +102,7 @@ def test_cancel_and_results_paging(cr: redis.Redis, tiny_model_dir: Path) -> Non
     rng = random.Random(fresh_seed())
     n = 80
     b = submit(prompt_lines(n, rng, max_tokens=24), r=cr, model="tiny")
-    w = ThreadWorker(engine(tiny_model_dir, 4))
+    w = ThreadWorker(engine(tiny_model_dir, 4, PacedLLM))  # 500 steps, 10 s at the least: cancelled part-way
     try:
         wait_for(lambda: cr.hlen(keys.done(b.id)) >= 8, 120, "8 results")
         assert cancel_batch(cr, b.id) is not None
@@ -147,15 +152,19 @@ def test_primary_restarted_mid_batch_loses_nothing_acknowledged(cr: redis.Redis,
     n = 60
     b = submit(prompt_lines(n, rng, max_tokens=8), r=cr, model="tiny")
     node = cluster.node_of(keys.meta(b.id))
-    w = ThreadWorker(engine(tiny_model_dir, 6))
+    llm = engine(tiny_model_dir, 6, HeldLLM)
+    llm.hold_when(lambda: llm.completed >= 12)  # the node dies with 48 jobs to run, however fast the machine
+    w = ThreadWorker(llm)
     try:
-        wait_for(lambda: cr.hlen(keys.done(b.id)) >= 12, 120, "12 results")
+        wait_for(lambda: llm.is_held and cr.hlen(keys.done(b.id)) >= 12, 120, "12 results")
         acknowledged = {e["idx"]: e for e in result_entries(cr, b.id)}
         cluster.kill_node(node)
+        llm.release()
         wait_for(lambda: len(w.worker.session.outbox) > 0, 30, "results held while the node is down")
         cluster.start_node(node)
         wait_for(lambda: final(cr, b.id), 120, "the batch to finish")
     finally:
+        llm.release()
         w.join()
     after = {e["idx"]: e for e in result_entries(cr, b.id)}
     assert all(after[i] == e for i, e in acknowledged.items()), "an acknowledged result was lost"

@@ -40,7 +40,7 @@ def _processes() -> list[tuple[int, int, str]]:
     return found
 
 
-def assert_all_stopped(pgid: int, home: Path, timeout: float = 10.0) -> None:
+def assert_all_stopped(pgid: int, home: Path, timeout: float = 60.0) -> None:
     """Nothing of the demo's process group is left, nor a job server of its home (that one runs in its
     own session, so it outlives the demo unless the demo stops it)."""
     deadline = time.monotonic() + timeout
@@ -79,7 +79,7 @@ def test_demo_runs_the_sample_through_the_queue(tiny_model_dir: Path, tmp_path: 
     out = tmp_path / "results.jsonl"
     out.write_text('{"stale": "from an earlier run"}\n')
     proc = _demo(tmp_path, "--model", str(tiny_model_dir), "-o", str(out), "--max-tokens", "4", *WORKER_FLAGS)
-    log, _ = proc.communicate(timeout=150)
+    log, _ = proc.communicate(timeout=600)  # give-up limits here bound a hang: a loaded machine starts slowly
     assert proc.returncode == 0, log
 
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -102,13 +102,13 @@ def test_demo_ctrl_c_stops_everything(tiny_model_dir: Path, tmp_path: Path) -> N
     # Long enough that the batch is still running when Ctrl-C comes.
     proc = _demo(tmp_path, "--model", str(tiny_model_dir), "-o", str(tmp_path / "out.jsonl"), "--max-tokens", "3000",
                  *WORKER_FLAGS[:-1], "1", home=home)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 600
     while not (tmp_path / "out.jsonl").exists() or not _worker_live(home):  # the batch is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.2)
     time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
-    log, _ = proc.communicate(timeout=60)
+    log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, log
     assert_all_stopped(proc.pid, home)
     assert home.is_dir(), "a SLUICE_HOME the user gave is kept"
@@ -118,7 +118,7 @@ def test_demo_failure_stops_the_server_and_shows_the_worker_log(tmp_path: Path) 
     home = tmp_path / "home"
     proc = _demo(tmp_path, "--model", str(tmp_path / "no-such-model.gguf"), "-o", str(tmp_path / "out.jsonl"),
                  home=home)
-    log, _ = proc.communicate(timeout=90)
+    log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, log
     assert "the worker stopped before the batch was done" in log
     assert "the worker's last lines:" in log and "no-such-model.gguf" in log  # why, from the worker's log

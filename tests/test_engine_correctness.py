@@ -75,7 +75,12 @@ def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 def test_preemption_keeps_outputs_identical(gqa: tuple[Path, Any], backend: str) -> None:
     path, hf = gqa
     rng = random.Random(fresh_seed())
-    # 12 blocks of 16 tokens for 8 sequences that each grow to ~60 tokens: the cache must overflow.
+    # 12 blocks of 16 tokens for 8 sequences of 20-40 tokens that each grow by 24: the cache must overflow
+    # whatever the lengths drawn. Admission stops with at most 2 blocks free (the next prompt needs 2-3),
+    # so at least 4 sequences (of 2-3 blocks each) start together; each outgrows its last block within 16
+    # tokens (23 new slots > 16), before any of them finishes at 24, so they need 4 blocks more than the 2
+    # free. Only EOS could end one early: none did for seeds 0-39 (the greedy tiny model; 2-5
+    # preemptions each).
     llm = LLM(str(path), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_seqs=8,
               attention_backend=backend)
     assert llm.num_total_blocks == 12

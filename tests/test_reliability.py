@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import redis
+from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, result_entries, wait_for
+from paced import PacedLLM
 from reliability_helpers import final, pending, run_to_end, tiny
 
 from engine.llm import LLM
@@ -110,10 +112,13 @@ def test_redis_full_holds_results_and_refuses_submission_cleanly(r: redis.Redis,
     rng = random.Random(fresh_seed())
     n = 40
     b = submit(prompt_lines(n, rng, max_tokens=6), r=r, model="tiny")
-    w = ThreadWorker(tiny(tiny_model_dir, max_num_seqs=4), lookahead=2, heartbeat_ttl=30.0)
+    llm = tiny(tiny_model_dir, HeldLLM, max_num_seqs=4)
+    llm.hold_when(lambda: llm.completed >= 4)  # Redis fills with 36 jobs still to run, however fast the machine
+    w = ThreadWorker(llm, lookahead=2, heartbeat_ttl=30.0)
     try:
-        wait_for(lambda: r.hlen(keys.done(b.id)) >= 4, 60, "some results")
+        wait_for(lambda: llm.is_held and r.hlen(keys.done(b.id)) >= 4, 60, "some results")
         r.config_set("maxmemory", 1)  # every write that needs memory is refused (OOM) from now
+        llm.release()
         try:
             wait_for(lambda: len(w.worker.session.outbox) >= 3, 60, "results held while Redis is full")
             written = r.hlen(keys.done(b.id))
@@ -125,6 +130,7 @@ def test_redis_full_holds_results_and_refuses_submission_cleanly(r: redis.Redis,
             r.config_set("maxmemory", 0)
         wait_for(lambda: final(r, b.id), 60, "the batch to finish once memory frees")
     finally:
+        llm.release()
         w.join()
     entries = assert_exactly_once(r, b.id, n)
     assert all(e["status"] == "completed" for e in entries) and dead_letters(r, b.id) == []
@@ -211,7 +217,7 @@ def test_expiry_settles_in_flight_jobs_as_expired(r: redis.Redis, tiny_model_dir
     rng = random.Random(fresh_seed())
     n = 24
     b = submit(prompt_lines(n, rng, max_tokens=400), r=r, model="tiny")
-    llm = tiny(tiny_model_dir, max_num_seqs=8)
+    llm = tiny(tiny_model_dir, PacedLLM, max_num_seqs=8)  # 1,200 steps: 24 s at the least, so jobs are in flight
     w = ThreadWorker(llm)
     try:
         wait_for(lambda: llm.num_running >= 4, 60, "jobs in flight")

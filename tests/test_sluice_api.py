@@ -123,11 +123,13 @@ def test_bad_options_are_clear(llm: Any) -> None:
     assert json.loads(json.dumps(sluice.__all__)) == ["Batch", "generate", "submit"]
 
 
+# Paced (tests/paced.py): 750 steps, 15 s at the least, so the run is still going when the test kills it.
 _KILLED_GENERATE = """
 import sys
-sys.path[:0] = [{root!r}]
-import pyarrow.parquet as pq
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+import paced
 import sluice
+paced.pace_every_engine()
 sluice.generate({src!r}, prompt_column="text", id_column="id", model={model!r}, output={out!r}, progress=False,
                 engine_options=dict(dtype="float32", max_num_seqs=4, kv_cache_memory=8 << 20), max_tokens=24)
 """

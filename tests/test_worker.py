@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import (
     ThreadWorker,
@@ -69,6 +70,10 @@ class RecordingLLM(LLM):
         self.finished.extend(c.request_id.split("#")[0] for c in out)
         self.after_step.append((self.num_steps, self.num_running, self.num_free_blocks))
         return out
+
+
+class HeldRecordingLLM(HeldLLM, RecordingLLM):
+    """The recording engine, held by the test part-way through a batch (tests/held_engine.py)."""
 
 
 class PoisonLLM(RecordingLLM):
@@ -158,8 +163,9 @@ def test_kill_9_mid_batch_then_restart(r: redis.Redis, tiny_model_dir: Path, tmp
     b = submit(prompt_lines(n, rng, max_tokens=12), r=r, model="tiny")
     log = tmp_path / "worker.log"
     args = ("--max-num-seqs", "12", "--kv-cache-memory", str(4 << 20), "--max-deliveries", "10")
-    kill_9_mid_batch(r, b.id, n, (0.15, 0.4, 0.65), lambda: worker_process(tiny_model_dir, "w1", *args, log=log), log,
-                     "w1", 180)
+    # Paced: the batch is still running (the worker holds jobs) at each kill, however fast the machine.
+    kill_9_mid_batch(r, b.id, n, (0.15, 0.4, 0.65),
+                     lambda: worker_process(tiny_model_dir, "w1", *args, log=log, paced=True), log, "w1", 180)
     finish_with(r, b.id, worker_process(tiny_model_dir, "w2", *args, "--exit-when-idle", "2", log=log), log, 180)
     assert get_batch(r, b.id).status == "completed"
     entries = assert_exactly_once(r, b.id, n)
@@ -175,11 +181,15 @@ def test_server_restart_mid_batch(r: redis.Redis, sluice_home: Path, tiny_model_
     rng = random.Random(fresh_seed())
     n = 150
     b = submit(prompt_lines(n, rng, max_tokens=8), r=r, model="tiny")
-    w = ThreadWorker(engine(RecordingLLM, tiny_model_dir, max_num_seqs=12))
-    wait_for(lambda: done_count(r, b.id) >= 40, 120, "40 results")
+    llm = engine(HeldRecordingLLM, tiny_model_dir, max_num_seqs=12)
+    # Held once 40 jobs are done, so the server dies with 110 jobs still to run, however fast the machine.
+    llm.hold_when(lambda: llm.completed >= 40)
+    w = ThreadWorker(llm)
+    wait_for(lambda: llm.is_held and done_count(r, b.id) >= 40, 120, "40 results")
     acknowledged = {e["idx"]: e for e in result_entries(r, b.id)}
     steps = w.worker.report.steps
     assert stop_server(sluice_home, kill=True)
+    llm.release()
     # What it means, waited on rather than timed: the link noticed the server gone, results are held
     # and the engine stepped on (each may come a moment after the others).
     wait_for(lambda: (not w.worker.session.link.up and len(w.worker.session.outbox) > 0
@@ -226,10 +236,12 @@ def test_cancel_stops_in_flight_sequences_within_a_step(r: redis.Redis, tiny_mod
     rng = random.Random(fresh_seed())
     n = 40
     b = submit(prompt_lines(n, rng, max_tokens=48), r=r, model="tiny")
-    llm = engine(RecordingLLM, tiny_model_dir, max_num_seqs=8)
+    llm = engine(HeldRecordingLLM, tiny_model_dir, max_num_seqs=8)
+    # Held with jobs done and in flight until the cancel is sent: the batch is part-way on any machine.
+    llm.hold_when(lambda: llm.completed >= 8 and llm.num_running >= 4)
     w = ThreadWorker(llm)
     try:
-        wait_for(lambda: done_count(r, b.id) >= 8 and llm.num_running >= 4, 120, "jobs done and in flight")
+        wait_for(lambda: llm.is_held and done_count(r, b.id) >= 8, 120, "jobs done and in flight")
 
         class Arrivals(deque):
             """Records the engine's step count when the cancel feed hands an event over: how soon the
@@ -247,6 +259,7 @@ def test_cancel_stops_in_flight_sequences_within_a_step(r: redis.Redis, tiny_mod
         arrivals = Arrivals()
         w.worker.session.cancel_feed.events = arrivals
         cancelled = cancel_batch(r, b.id)
+        llm.release()
         assert cancelled.status == "cancelled"
         wait_for(lambda: not w.worker.held and not llm.has_unfinished(), 30, "the worker to drop the batch")
         assert arrivals.steps_at_arrival is not None
@@ -259,6 +272,7 @@ def test_cancel_stops_in_flight_sequences_within_a_step(r: redis.Redis, tiny_mod
         assert get_batch(r, b.id).counts.cancelled == n - len(completed)
         assert held_by(r, b.id, w.worker.id) == 0
     finally:
+        llm.release()
         w.join()  # a failed test must not leave its worker taking the next test's jobs
 
 
@@ -278,8 +292,12 @@ def test_deadlines_expire_jobs_not_started(r: redis.Redis, tiny_model_dir: Path)
 def test_stop_finishes_in_flight_and_leaves_the_rest(r: redis.Redis, tiny_model_dir: Path) -> None:
     rng = random.Random(fresh_seed())
     b = submit(prompt_lines(40, rng, max_tokens=8), r=r, model="tiny")
-    w = ThreadWorker(engine(RecordingLLM, tiny_model_dir, max_num_seqs=4), lookahead=2, grace_period=60)
-    wait_for(lambda: done_count(r, b.id) >= 6, 60, "6 results")
+    llm = engine(HeldRecordingLLM, tiny_model_dir, max_num_seqs=4)
+    llm.hold_when(lambda: llm.completed >= 6)  # the stop comes part-way, however fast the machine
+    w = ThreadWorker(llm, lookahead=2, grace_period=60)
+    wait_for(lambda: llm.is_held and done_count(r, b.id) >= 6, 60, "6 results")
+    w.stop.set()
+    llm.release()
     report = w.join()
     done = done_count(r, b.id)
     assert report.released == 0 and report.completed == done and done < 40
