@@ -25,7 +25,11 @@ README = (ROOT / "README.md").read_text()
 PACKAGES = ["cli", "api", "jobs", "worker", "engine", "kernels"]
 ENV_NAME = r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+"
 # Variables the README documents that other software reads, and which one.
-THIRD_PARTY_ENV = {"HF_HOME": "huggingface_hub (transformers' hub cache)"}
+THIRD_PARTY_ENV = {
+    "HF_HOME": "huggingface_hub (transformers' hub cache)",
+    "GOMP_SPINCOUNT": "libgomp (torch's OpenMP), set by engine/omp_spin.py for embedding models",
+    "OMP_WAIT_POLICY": "libgomp (torch's OpenMP): a user's setting wins over engine/omp_spin.py's",
+}
 
 
 # ---- reading the README ----------------------------------------------------------------------------
