@@ -87,11 +87,11 @@ def need_engine(model: str | None = None) -> None:
     """The model code is the `worker` extra; a command that runs it says so in one line when it is missing
     (the API's image, or `pip install sluice-llm[api]`, has none). Before torch loads: an embedding
     ``model``'s OpenMP threads spin briefly (engine/omp_spin.py)."""
-    from engine.omp_spin import is_embedding_model, short_omp_spin
-
-    if is_embedding_model(model):
-        short_omp_spin()
     try:
+        from engine.omp_spin import is_embedding_model, short_omp_spin
+
+        if is_embedding_model(model):
+            short_omp_spin()
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
