@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +151,29 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+_COLLECTIVE_FAILS = """
+import subprocess, sys
+from engine.parallel.worker_procs import DriverModel, RankProcesses
+procs = RankProcesses.__new__(RankProcesses)  # no ranks spawned, no watchdog: only the collective path can act
+procs.stopping = False
+procs.procs = {{1: subprocess.Popen([sys.executable, "-c", "{rank}"])}}
+model = DriverModel.__new__(DriverModel)
+model.procs = procs
+with model._collectives():
+    raise RuntimeError("Connection closed by peer")
+"""
+
+
+@pytest.mark.parametrize("rank_dies", [True, False])
+def test_a_collective_that_fails_because_a_rank_died_ends_the_worker_as_a_rank_death(rank_dies: bool) -> None:
+    """Injected: a collective fails (gloo: "Connection closed by peer") before the watchdog, which polls, has
+    seen the rank's death. The worker must exit with EXIT_RANK_DIED, not report a sick engine (seen in a
+    fresh-clone run under load); an error with every rank alive is raised as it is."""
+    code = _COLLECTIVE_FAILS.format(rank="pass" if rank_dies else "import time; time.sleep(10)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if rank_dies:
+        assert out.returncode == EXIT_RANK_DIED and "rank 1" in out.stderr, out.stderr
+    else:
+        assert out.returncode == 1 and "Connection closed by peer" in out.stderr, out.stderr

@@ -15,6 +15,7 @@ held to another worker or its restart. A rank whose parent (rank 0) is gone exit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -97,15 +98,26 @@ class RankProcesses:
 
     def _watch(self, interval: float) -> None:
         while not self.stopping:
-            for rank, p in self.procs.items():
-                code = p.poll()
-                if code is not None and not self.stopping:
-                    log.error("tensor-parallel rank %d (pid %d) died with status %s: stopping this worker; the jobs "
-                              "it holds go back to the queue", rank, p.pid, code)
-                    self.kill()
-                    logging.shutdown()
-                    os._exit(EXIT_RANK_DIED)
+            self._exit_if_one_died()
             time.sleep(interval)
+
+    def exit_if_a_rank_died(self, grace: float = 2.0) -> None:
+        """After a collective failed: if a rank died (its exit may be reaped a moment after its socket
+        closed), end the worker as the watchdog does, before the engine's error reads as a sick engine."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not self.stopping:
+            self._exit_if_one_died()
+            time.sleep(0.05)
+
+    def _exit_if_one_died(self) -> None:
+        for rank, p in self.procs.items():
+            code = p.poll()
+            if code is not None and not self.stopping:
+                log.error("tensor-parallel rank %d (pid %d) died with status %s: stopping this worker; the jobs "
+                          "it holds go back to the queue", rank, p.pid, code)
+                self.kill()
+                logging.shutdown()
+                os._exit(EXIT_RANK_DIED)
 
     def kill(self) -> None:
         for p in self.procs.values():
@@ -136,14 +148,26 @@ class DriverModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
-        self._send(("forward", input_ids.cpu(), positions.cpu(), host_meta(meta)))
-        return self.local(input_ids, positions, kv_caches, meta, backend)
+        with self._collectives():
+            self._send(("forward", input_ids.cpu(), positions.cpu(), host_meta(meta)))
+            return self.local(input_ids, positions, kv_caches, meta, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._send(("logits", hidden.shape[0]))
-        hidden = hidden.contiguous()
-        dist.broadcast(hidden, src=0, group=self.ps.group)
-        return self.local.compute_logits(hidden)
+        with self._collectives():
+            self._send(("logits", hidden.shape[0]))
+            hidden = hidden.contiguous()
+            dist.broadcast(hidden, src=0, group=self.ps.group)
+            return self.local.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """A collective that fails because a rank died ends the worker with EXIT_RANK_DIED, not as a sick
+        engine: the watchdog polls and may not have seen the death yet."""
+        try:
+            yield
+        except RuntimeError:
+            self.procs.exit_if_a_rank_died()
+            raise
 
     def kv_spec(self) -> list[LayerKVSpec]:
         return self.local.kv_spec()
