@@ -256,3 +256,22 @@ def test_housekeeping_expires_and_deletes(r: redis.Redis) -> None:
     assert housekeep(r, now=now + 2000, results_ttl=1000).deleted == 1
     assert not r.keys(f"sluice:{{{late.id}}}:*") and get_batch(r, late.id) is None
     assert [x.id for x in list_batches(r)] == [timed.id]
+
+
+def test_a_worker_starting_while_the_server_restarts_waits_for_it(sluice_home: Path) -> None:
+    """Injected (seen in a chaos run): a worker restarted after a sick exit claimed its id just as Valkey
+    was restarting, and died of the ConnectionError. Its identity claim now waits for the server."""
+    import threading
+
+    from jobs.consumer.identity import take_identity
+
+    ensure_server(sluice_home)
+    c = connect()
+    assert stop_server(sluice_home, kill=True)
+    restart = threading.Timer(1.5, ensure_server, args=(sluice_home,))
+    restart.start()
+    try:
+        wid = take_identity(c, "w-restart", False, lambda w: json.dumps({"host": "h", "pid": 1}), 10.0)
+    finally:
+        restart.join()
+    assert wid == "w-restart"

@@ -13,9 +13,23 @@ import redis
 from jobs.connection import pid_alive
 from jobs.consumer import commands as consumer
 
+SERVER_RESTART_WAIT_S = 60.0  # a server restarting as the worker starts is waited for, not crashed on
+
 
 def take_identity(r: redis.Redis, base: str, explicit: bool, payload: Callable[[str], str], ttl: float) -> str:
-    """``base``, else ``base-2``, ``base-3``...; an ``explicit`` id waits out a TTL for its holder, then fails."""
+    """``base``, else ``base-2``, ``base-3``...; an ``explicit`` id waits out a TTL for its holder, then fails.
+    A server unreachable for a moment (restarting) is retried for up to SERVER_RESTART_WAIT_S."""
+    deadline = time.monotonic() + SERVER_RESTART_WAIT_S
+    while True:
+        try:
+            return _take(r, base, explicit, payload, ttl)
+        except redis.ConnectionError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _take(r: redis.Redis, base: str, explicit: bool, payload: Callable[[str], str], ttl: float) -> str:
     for n in itertools.count(1):
         wid = base if n == 1 else f"{base}-{n}"
         if _try(r, wid, payload, ttl, wait=explicit):
