@@ -161,6 +161,8 @@ procs.stopping = False
 procs.procs = {{1: subprocess.Popen([sys.executable, "-c", "{rank}"])}}
 model = DriverModel.__new__(DriverModel)
 model.procs = procs
+if {dead}:
+    procs.procs[1].wait()  # dead before the collective fails, however slowly this machine starts a process
 with model._collectives():
     raise RuntimeError("Connection closed by peer")
 """
@@ -171,7 +173,7 @@ def test_a_collective_that_fails_because_a_rank_died_ends_the_worker_as_a_rank_d
     """Injected: a collective fails (gloo: "Connection closed by peer") before the watchdog, which polls, has
     seen the rank's death. The worker must exit with EXIT_RANK_DIED, not report a sick engine (seen in a
     fresh-clone run under load); an error with every rank alive is raised as it is."""
-    code = _COLLECTIVE_FAILS.format(rank="pass" if rank_dies else "import time; time.sleep(10)")
+    code = _COLLECTIVE_FAILS.format(rank="pass" if rank_dies else "import time; time.sleep(10)", dead=rank_dies)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     if rank_dies:
         assert out.returncode == EXIT_RANK_DIED and "rank 1" in out.stderr, out.stderr
