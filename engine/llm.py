@@ -111,6 +111,8 @@ class LLM(Intake[_RequestState, Completion]):
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)  # loads the C++ ops
         self.runner.lora = self.lora
+        if self.lora is not None:  # the C++ LoRA op is built and loaded with the C++ attention op
+            self.lora.use_cpu_op = self.runner.kernels is not None and self.device.type == "cpu"
         clock.lap("ops")
         num_blocks = self._num_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)

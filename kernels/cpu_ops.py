@@ -1,6 +1,6 @@
 """Build (once, cached) and load the C++ CPU ops in ``kernels/cpu/``: paged attention, an encoder's variable-length
 attention, the KV-cache write, the decoder layer's fused elementwise ops, greedy argmax and sampling's passes
-over the vocabulary (wrapped in ``kernels/cpu_fused.py``).
+over the vocabulary (wrapped in ``kernels/cpu_fused.py``), and a layer's LoRA deltas for every adapter's rows.
 
 The op is compiled on first use with ``torch.utils.cpp_extension`` for the CPU it runs on
 (``-march=native``); the build's name carries a hash of the source, the compiler flags and the CPU's
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
                                                            "argmax.cpp", "sampling.cpp",
-                                                           "encoder_attention.cpp")]
+                                                           "encoder_attention.cpp", "lora.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "common.h"]  # included by the sources; hashed with them
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
@@ -163,13 +163,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache_hm: torch.Tensor, v_cache
     load().store_kv(k, v, k_cache_hm, v_cache_hm, slot_mapping)
 
 
-def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) -> Any:
-    """``paged_attention`` built from another ``source`` (an older version, or this one with other
-    ``cflags``, e.g. without AVX-512) and registered as ``torch.ops.<namespace>``, beside the real op."""
+def load_variant(source: Path, namespace: str, cflags: list[str] | None = None, op: str = "paged_attention") -> Any:
+    """``op`` built from another ``source`` (an older version, or this one with other ``cflags``, e.g.
+    without AVX-512) and registered as ``torch.ops.<namespace>``, beside the real op."""
     from torch.utils.cpp_extension import load as load_extension
 
     text = source.read_text()
-    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
         text = text.replace(f"{macro}(sluice,", f"{macro}({namespace},")
     flags = CFLAGS if cflags is None else cflags
     header = "".join(h.read_text() for h in HEADERS)
@@ -179,7 +179,7 @@ def load_variant(source: Path, namespace: str, cflags: list[str] | None = None) 
         copy.write_text(text)
     load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False,
                    extra_include_paths=[str(HEADERS[0].parent)])  # the copy lives elsewhere; common.h stays here
-    return getattr(torch.ops, namespace).paged_attention
+    return getattr(getattr(torch.ops, namespace), op)
 
 
 def encoder_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
@@ -194,3 +194,11 @@ def encoder_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 def encoder_attention_supports(head_dim: int) -> bool:
     """Whether this build has ``encoder_attention`` for ``head_dim`` (it needs AVX-512)."""
     return bool(load().encoder_attention_supports(head_dim))
+
+
+def lora_add_(out: torch.Tensor, x: torch.Tensor, runs: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
+              cols: list[int], c0s: list[int]) -> None:
+    """Add each run's LoRA deltas to ``out`` [T, N] in place (kernels/cpu/lora.cpp): ``runs`` int64 [n, 3]
+    (first row, end row, slot), ``a`` float32 [G, K, R] (every target's scaled A^T side by side), per target
+    ``b`` float32 [G, R_t, W_t] (B^T), its first output column and first column of the shrink."""
+    load().lora_add_(out, x, runs, a, b, cols, c0s)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from engine.llm import LLM
 from engine.outputs import Request
 from engine.sampling_params import SamplingParams
+from kernels import cpu_ops
 
 pytest.importorskip("peft")
 
@@ -89,6 +90,17 @@ def test_mixed_batch_matches_peft(family: Family, impl: str) -> None:
     llm = family.llm(model_impl=impl)
     _run_and_compare(family, llm, _mixed(random_prompts(rng, 10, 1, 40)))
     assert llm.lora is not None and set(llm.lora.completion_tokens) == set(ADAPTERS)
+    if cpu_ops.available()[0]:  # the C++ op served every hooked layer
+        assert llm.lora.use_cpu_op and all(hook.stacked[1] is not None for hook in llm.lora.hooks.values())
+
+
+def test_mixed_batch_on_the_matmul_fallback(family: Family) -> None:
+    """Where the C++ ops are not built (the PyTorch attention fallback): a matmul pair per row group."""
+    rng = random.Random(fresh_seed())
+    llm = family.llm(attention_backend="torch")
+    assert llm.lora is not None and not llm.lora.use_cpu_op
+    _run_and_compare(family, llm, _mixed(random_prompts(rng, 10, 1, 40)))
+    assert all(hook.stacked == ((), None) for hook in llm.lora.hooks.values())
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])

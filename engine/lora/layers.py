@@ -6,20 +6,17 @@ transformers path it is a whole ``nn.Linear``. A forward hook on the layer (what
 ``nn.Linear``, a packed or quantized replacement) adds each row group's delta to its output in place.
 
 On CPU the model runner puts the step's sequences in adapter order (engine/lora/batch.py), so each
-adapter's rows are one contiguous run of the packed batch, the runs back to back. Then a layer's LoRA is
-a few grouped GEMMs (``torch._grouped_mm``: each run's rows against its adapter's weights), however many
-adapters run: one shrink over all the layer's targets (their A side by side, scales folded in), and per
-target one expand into a delta added to its columns of the output. The stacked weights are kept per hook
-while the step's adapters stay the same (the order sorts adapters by name, so batch churn does not
-restack). Otherwise (one run, or runs that do not lie so), per run: one shrink GEMM over the layer's
-targets into a step-long scratch buffer, then one ``addmm_`` per target straight into its columns of the
-output rows (a strided view: no gather, no scatter, no delta tensor). With 2 threads on a loaded
-machine every small GEMM pays for its threads' barrier, so the count matters: at 4 adapters a native
-decode step (120 hooks) made 480 shrink + 840 expand GEMMs the per-run way, and makes 120 + 210 grouped
-GEMMs and 210 adds this way, at 16 adapters too. The per-run form measured, one layer, 160 rows, one
-thread, on a loaded machine (so rough):
-at 4 adapters 0.11-0.19x of the layer's base GEMM time against 0.20-0.21x for the former gathered form
-(a block-diagonal expand per group, deltas added back with ``index_add_``); at 16 adapters 0.18x vs 0.31x.
+adapter's rows are one contiguous run of the packed batch. With the C++ ops built (beside the C++ attention
+op), a layer's LoRA is one call (kernels/cpu/lora.cpp) for every run and target: per block of rows one
+shrink over all the layer's targets (their A side by side, scales folded in) kept in registers, and each
+target's expand added straight into its columns of the output. The stacked weights are kept per hook while
+the step's adapters stay the same (the order sorts adapters by name, so batch churn does not restack). As
+torch calls, the same work was hundreds of tiny GEMMs a step, each paying dispatch and a thread barrier: at
+4 adapters a native decode step (120 hooks) made 480 shrink + 840 expand GEMMs, and cost a quarter of the
+step for ~5% of its FLOPs; one layer's q/k/v (160 rows, 4 adapters, rank 16) took 0.09-0.11 ms as one call
+against 0.64-1.0 ms as torch's grouped GEMMs (loaded machine). Without the C++ ops (and for tests of the
+fallback), per run: one shrink GEMM over the layer's targets into a step-long scratch buffer, then one
+``addmm_`` per target straight into its columns of the output rows (a strided view: no gather, no scatter).
 """
 
 from __future__ import annotations
@@ -52,14 +49,27 @@ class FusedWeights:
 
 
 @dataclass
-class GroupedWeights:
-    """The step's adapters (one per run, in run order) in one layer, for the grouped GEMMs: A of every
-    target side by side, scales folded in, ``[runs, in, R]``; per target (output column, width, its
-    columns c0:c1 of the shrink, B^T ``[runs, c1 - c0, width]``). A target's columns are the widest rank
-    among the adapters; an adapter of lower rank, or without the target, has zeros there."""
+class StackedWeights:
+    """The step's adapters (in slot order) in one layer, as the C++ op reads them, float32: A of every target
+    side by side, transposed, scales folded in, ``[G, in, R]`` (R padded to a multiple of 16, the op's
+    vector width); per target B^T ``[G, rank, width]``, its first output column and first column of the
+    shrink. A target's columns are the widest rank among the adapters; an adapter of lower rank, or without
+    the target, has zeros there."""
 
     a: torch.Tensor
-    parts: list[tuple[int, int, int, int, torch.Tensor]]
+    b: list[torch.Tensor]
+    cols: list[int]
+    c0s: list[int]
+
+
+@dataclass
+class CpuStep:
+    """The step as the C++ op reads it: its adapters (slot order; their names key each hook's stacked
+    weights) and each run of packed rows as (first row, end row, slot)."""
+
+    adapters: list[LoraAdapter]
+    runs: torch.Tensor  # [n, 3] int64
+    key: tuple[str, ...]
 
 
 @dataclass
@@ -79,18 +89,7 @@ class LoraStep:
     runs: list[tuple[LoraAdapter, int, int]]
     scratch: torch.Tensor  # flat, at least the longest run's rows x the largest stacked rank
     kernel: KernelStep | None = None  # set: one Triton launch per target instead of a matmul pair per group
-    grouped: GroupedRuns | None = None  # set: the runs lie back to back, one per adapter: one grouped shrink
-
-
-@dataclass
-class GroupedRuns:
-    """Runs that lie back to back over packed rows ``lo:hi``, one per adapter: their ends (from ``lo``) as
-    the grouped GEMM reads them, and their adapters' names, which key each hook's stacked A."""
-
-    lo: int
-    hi: int
-    offs: torch.Tensor  # [runs] int32
-    key: tuple[str, ...]
+    cpu: CpuStep | None = None  # set: one C++ op call for every run and target
 
 
 @dataclass
@@ -102,8 +101,8 @@ class LoraHook:
     # Per target: the groups' weights stacked for the kernel, and the adapters they were stacked for.
     stacks: dict[str, tuple[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
         default_factory=dict)
-    # The grouped GEMMs' weights and the adapters (one per run) they were stacked for.
-    grouped: tuple[tuple[str, ...], GroupedWeights | None] = ((), None)
+    # The C++ op's weights and the adapters (slot order) they were stacked for.
+    stacked: tuple[tuple[str, ...], StackedWeights | None] = ((), None)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         step = self.step
@@ -114,8 +113,8 @@ class LoraHook:
         if step.kernel is not None:
             self._launch(x, out, step)
             return
-        if step.grouped is not None and _groupable(x, self.parts):
-            self._grouped(x, out, step, step.grouped)
+        if step.cpu is not None:
+            self._cpu_op(x, out, step.cpu)
             return
         for adapter, start, end in step.runs:
             f = self._fused(adapter)
@@ -126,45 +125,42 @@ class LoraHook:
             s = torch.mm(x[start:end], f.a_t, out=step.scratch[: n * r].view(n, r))
             _expand(out[start:end], s, f)
 
-    def _grouped(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep, g: GroupedRuns) -> None:
-        stack = self._grouped_stack(step, g.key)
-        if stack is None:
-            return
-        s = torch._grouped_mm(x[g.lo : g.hi], stack.a, offs=g.offs)  # every run's shrink: one GEMM
-        rows = out[g.lo : g.hi]
-        for col, width, c0, c1, b in stack.parts:  # per target, every run's expand: one GEMM, one add
-            rows[:, col : col + width] += torch._grouped_mm(s[:, c0:c1], b, offs=g.offs)
+    def _cpu_op(self, x: torch.Tensor, out: torch.Tensor, step: CpuStep) -> None:
+        from kernels.cpu_ops import lora_add_
 
-    def _grouped_stack(self, step: LoraStep, key: tuple[str, ...]) -> GroupedWeights | None:
-        """The runs' adapters' weights for this layer stacked for the grouped GEMMs, made when the step's
-        adapters change; None if none of them targets this layer."""
-        if self.grouped[0] == key:
-            return self.grouped[1]
-        adapters = [adapter for adapter, _, _ in step.runs]
-        targets = []  # (target, col, width, its columns c0:c1 of the shrink, the runs' weights)
+        stack = self._stacked(step)
+        if stack is not None:
+            lora_add_(out, x, step.runs, stack.a, stack.b, stack.cols, stack.c0s)
+
+    def _stacked(self, step: CpuStep) -> StackedWeights | None:
+        """The step's adapters' weights for this layer stacked for the C++ op, made when the step's adapters
+        change; None if none of them targets this layer."""
+        if self.stacked[0] == step.key:
+            return self.stacked[1]
+        targets = []  # (col, width, its first column of the shrink, its widest rank, each adapter's weights)
         c0 = 0
         for target, col, width in self.parts:
-            weights = [a.modules.get(target) for a in adapters]
+            weights = [a.modules.get(target) for a in step.adapters]
             rank = max((w.a.shape[0] for w in weights if w is not None), default=0)
             if rank:
-                targets.append((col, width, c0, c0 + rank, weights))
+                targets.append((col, width, c0, rank, weights))
                 c0 += rank
         stack = None
         if targets:
             like = next(w for *_, ws in targets for w in ws if w is not None).a
-            # Lower ranks and absent targets are zeros; the shrink's row 16-byte aligned, as the GEMM wants.
-            a = like.new_zeros(len(adapters), like.shape[1], -(-c0 // 8) * 8)
-            parts = []
-            for col, width, t0, t1, weights in targets:
-                b = like.new_zeros(len(adapters), t1 - t0, width)
+            a = torch.zeros(len(step.adapters), like.shape[1], -(-c0 // 16) * 16, device=like.device)
+            stack = StackedWeights(a, [], [], [])
+            for col, width, t0, rank, weights in targets:
+                b = torch.zeros(len(step.adapters), rank, width, device=like.device)
                 for i, w in enumerate(weights):
                     if w is not None:
                         r = w.a.shape[0]
-                        a[i, :, t0 : t0 + r] = (w.a * w.scale).t()
-                        b[i, :r] = w.b.t()
-                parts.append((col, width, t0, t1, b))
-            stack = GroupedWeights(a, parts)
-        self.grouped = (key, stack)
+                        a[i, :, t0 : t0 + r] = (w.a.float() * w.scale).t()
+                        b[i, :r] = w.b.float().t()
+                stack.b.append(b)
+                stack.cols.append(col)
+                stack.c0s.append(t0)
+        self.stacked = (step.key, stack)
         return stack
 
     def _fused(self, adapter: LoraAdapter) -> FusedWeights | None:
@@ -219,11 +215,6 @@ class LoraHook:
             stack = (a, b, scale)
         self.stacks[target] = (key, stack)
         return stack
-
-
-def _groupable(x: torch.Tensor, parts: list[tuple[str, int, int]]) -> bool:
-    """Whether torch's CPU grouped GEMM takes ``x`` and the targets' B: rows a multiple of 16 bytes apart."""
-    return x.stride(1) == 1 and all(n * x.element_size() % 16 == 0 for n in (x.stride(0), *(w for _, _, w in parts)))
 
 
 def _expand(rows: torch.Tensor, s: torch.Tensor, f: FusedWeights) -> None:

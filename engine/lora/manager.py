@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -13,7 +12,7 @@ from torch import nn
 from engine.lora.adapters import AdapterCache, LoraAdapter, Target
 from engine.lora.batch import adapter_runs
 from engine.lora.layers import (
-    GroupedRuns,
+    CpuStep,
     KernelStep,
     LoraHook,
     LoraStep,
@@ -33,9 +32,11 @@ class LoraManager:
         self.sites: dict[str, Site] = {name: s for name, (_, s) in sites.items()}
         self.cache = AdapterCache(paths, max_loras, targets, max_rank, device, dtype)
         self.device = device
-        # CUDA: the Triton kernel (kernels/lora.py), one launch per target for every adapter's rows; else
-        # (and on CPU, where tests may turn it on under the interpreter) a matmul pair per row group.
+        # CUDA: the Triton kernel (kernels/lora.py), one launch per target for every adapter's rows (tests
+        # turn it on on CPU, under the interpreter). CPU: the C++ op, one call per layer, where the engine
+        # runs the C++ ops (it says so once they are loaded); else a matmul pair per row group.
         self.use_kernel = device.type == "cuda"
+        self.use_cpu_op = False
         self.hooks: dict[str, LoraHook] = {}  # module path -> its hook
         self.hooked_targets: set[str] = set()
         # The most targets one hooked module serves (q/k/v: 3), for the shrinks' scratch buffer.
@@ -71,9 +72,8 @@ class LoraManager:
                 self._hook(adapter)
             longest = max(end - start for _, start, end in runs)
             kernel = self._kernel_step(runs, list(adapters.values()), sum(q_lens)) if self.use_kernel else None
-            grouped = None if self.use_kernel else self._grouped(runs)
-            step = LoraStep([(adapters[n], start, end) for n, start, end in runs], self._scratch(longest), kernel,
-                            grouped)
+            cpu = self._cpu_step(runs, list(adapters.values())) if self.use_cpu_op and not self.use_kernel else None
+            step = LoraStep([(adapters[n], start, end) for n, start, end in runs], self._scratch(longest), kernel, cpu)
         for hook in self.hooks.values():
             hook.step = step
 
@@ -84,16 +84,10 @@ class LoraManager:
             self.scratch = torch.empty(need, dtype=self.cache.dtype, device=self.device)
         return self.scratch
 
-    def _grouped(self, runs: list[tuple[str, int, int]]) -> GroupedRuns | None:
-        """The runs as the grouped GEMMs read them, if there are several, back to back, one per adapter (as
-        ``adapter_order`` lays them) and torch's CPU grouped GEMM takes the dtype."""
-        if len(runs) < 2 or self.device.type != "cpu" or self.cache.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        if len({name for name, _, _ in runs}) < len(runs) or any(a[2] != b[1] for a, b in itertools.pairwise(runs)):
-            return None
-        lo = runs[0][1]
-        offs = torch.tensor([end - lo for _, _, end in runs], dtype=torch.int32)
-        return GroupedRuns(lo, runs[-1][2], offs, tuple(name for name, _, _ in runs))
+    def _cpu_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter]) -> CpuStep:
+        slot = {a.name: i for i, a in enumerate(adapters)}
+        table = torch.tensor([(start, end, slot[name]) for name, start, end in runs], dtype=torch.int64)
+        return CpuStep(adapters, table, tuple(slot))
 
     def _kernel_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter], num_rows: int) -> KernelStep:
         slot = {a.name: i for i, a in enumerate(adapters)}
