@@ -322,19 +322,25 @@ def test_offsets_past_int32(rng: random.Random) -> None:
 
 
 def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> None:
-    """The engine's head-major cache (allocate_kv) with three KV heads, each head's plane just over 2**30
-    elements: head 2 starts past 2**31 although its stride fits in 32 bits, so ``kv_head * stride_h``
-    must be computed in int64. Uninitialised memory: only the touched pages are ever backed."""
-    from engine.attention import allocate_kv
+    """The engine's head-major cache layout (allocate_kv's) with three KV heads, each head's plane just over
+    2**30 elements: head 2 starts past 2**31 although its stride fits in 32 bits, so ``kv_head * stride_h``
+    must be computed in int64. The caches are uninitialised memory, so only the pages touched are ever
+    backed (allocate_kv itself zeroes its cache on CPU: 13 GB resident here)."""
+    from engine.attention import allocate_kv, head_major
 
     dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
     num_blocks = 2**30 // (block_size * d) + 64
-    k_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
-    v_cache = allocate_kv(num_blocks, block_size, hkv, d, dtype, torch.device(TEST_DEVICE))
+    device = torch.device(TEST_DEVICE)
+    k_cache, v_cache = (torch.empty(hkv, num_blocks, block_size, d, dtype=dtype, device=device).permute(1, 2, 0, 3)
+                        for _ in range(2))
+    small = allocate_kv(4, block_size, hkv, d, dtype, device)
+    assert head_major(small).is_contiguous() and head_major(k_cache).is_contiguous()  # the same layout
     assert k_cache.stride(2) < 2**31 <= (hkv - 1) * k_cache.stride(2)
     lens = [rng.randint(20, 60), rng.randint(1, 20)]
     need = [cdiv(n, block_size) for n in lens]
     blocks = rng.sample(range(num_blocks - 64, num_blocks), sum(need))
+    for cache in (k_cache, v_cache):  # the blocks read: zeroed, as the engine's cache is
+        cache[torch.tensor(blocks)] = 0
     tables = torch.zeros(2, max(need), dtype=torch.int32)
     tables[0, : need[0]] = torch.tensor(blocks[: need[0]])
     tables[1, : need[1]] = torch.tensor(blocks[need[0] :])
