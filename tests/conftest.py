@@ -48,10 +48,23 @@ def no_server_in_the_session_home() -> Iterator[None]:
     yield
     from jobs.connection import find_server, stop_server
 
-    if find_server(SESSION_HOME) is not None:
+    found = find_server(SESSION_HOME)
+    if found is not None:
+        starter = _starter(found.pid)
         stop_server(SESSION_HOME, kill=True)
         pytest.fail("this test left an embedded job server running in the session's SLUICE_HOME (stopped now): "
-                    "give it its own SLUICE_HOME and stop what it starts")
+                    f"give it its own SLUICE_HOME and stop what it starts. It was started by {starter}")
+
+
+def _starter(pid: int) -> str:
+    """Who launched server ``pid``: its parent's pid and command line (this process: a thread of the tests),
+    for a failure that names the culprit."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        cmd = Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, ValueError, IndexError) as e:
+        return f"an unknown process ({e})"
+    return f"pid {ppid}{' (the test process)' if ppid == os.getpid() else ''}: {cmd[:300]}"
 
 
 def _malloc_trim() -> Callable[[], object]:
@@ -130,8 +143,11 @@ if os.environ.get("SLUICE_TEST_RSS") == "1":
             if isinstance(o, LLM):
                 engines += 1
             elif isinstance(o, torch.Tensor) and o.device.type == "cpu":
-                st = o.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
+                try:
+                    st = o.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+                except RuntimeError:  # a tensor without data (its storage freed or never allocated)
+                    continue
         return f"alive: {engines} engines, {len(storages)} tensor storages of {sum(storages.values()) >> 20} MiB"
 
     def _log(line: str) -> None:
