@@ -100,6 +100,10 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], 
         cells = [f"{v:,.1f}" if (v := results[d].get(s, {}).get("prompt_tokens_per_s")) is not None else "-"
                  for d in dtypes]
         lines.append(f"| {label(s, results, args)} | " + " | ".join(cells) + " |")
+    if getattr(args, "runs", 1) > 1:
+        lines.append(f"\nEach system's best of {args.runs} runs, the systems taking turns; every run's tokens/s: " + "; ".join(
+            f"{d} {s} " + ", ".join(f"{v:,.1f}" if v is not None else "failed" for v in r["runs_tokens_per_s"])
+            for d in dtypes for s in systems if "runs_tokens_per_s" in (r := results[d].get(s, {}))) + ".")
     if args.sampling.seed is not None and "vllm" in systems:
         lines.append("\nvLLM's CPU build refuses a seed per request: it samples unseeded; the others seed each "
                      "request (transformers: one seed for the run).")

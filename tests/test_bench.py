@@ -75,6 +75,18 @@ def test_ratios_and_table() -> None:
     assert "| vLLM | - |" in lines and "| same output token count | yes (5 each) |" in lines
 
 
+def test_best_of_runs_and_every_run_in_the_table() -> None:
+    runs = [result("sluice", 280.0, [[5, 2]]), {"system": "sluice", "dtype": "float32", "error": "exit 1"},
+            result("sluice", 310.0, [[5, 2]])]
+    best = bench.best_run(runs)
+    assert best["tokens_per_s"] == 310.0 and best["runs_tokens_per_s"] == [280.0, None, 310.0]
+    assert bench.best_run(runs[1:2]) == runs[1]  # no run finished: the error stands
+    args = bench.parse_args(["--systems", "sluice", "--runs", "3"])
+    table = bench.markdown({"float32": {"sluice": best}}, args.systems, args, "header")
+    assert "| Sluice continuous (`max_num_seqs` 256) | 310.0 |" in table.splitlines()
+    assert "best of 3 runs" in table and "float32 sluice 280.0, failed, 310.0" in table
+
+
 def test_token_check_reports_a_mismatch() -> None:
     rows = {"hf-static": result("hf-static", 1.0, [[5, 2], [7, 8, 9]]), "sluice": result("sluice", 1.0, [[5, 2], [7, 8]])}
     check = bench.token_check(rows)
