@@ -257,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.temperature = d.sampling.temperature
     args.sampling = dataclasses.replace(d.sampling, temperature=args.temperature,
                                         seed=d.sampling.seed if d.sampling.seed is not None or not args.temperature else 0)
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:

@@ -85,6 +85,8 @@ def test_best_of_runs_and_every_run_in_the_table() -> None:
     table = bench.markdown({"float32": {"sluice": best}}, args.systems, args, "header")
     assert "| Sluice continuous (`max_num_seqs` 256) | 310.0 |" in table.splitlines()
     assert "best of 3 runs" in table and "float32 sluice 280.0, failed, 310.0" in table
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--runs", "0"])
 
 
 def test_token_check_reports_a_mismatch() -> None:
