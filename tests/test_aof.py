@@ -80,14 +80,18 @@ def test_a_torn_record_is_named_and_repair_cuts_to_the_last_good_one(sluice_home
         (d / "appendonly.aof.2.incr.aof").write_bytes(data[cut:])
         (d / aof.MANIFEST).write_text((d / aof.MANIFEST).read_text() + "file appendonly.aof.2.incr.aof seq 2 type i\n")
         data = data[:cut]
-    # Tear one record in the middle: some of its bytes never reached the disk, the records after it did.
-    # A tear can leave framing that still parses (a value swallowing the next record's first bytes): the
-    # server would load that too, so draw again until Valkey's own checker stops at the torn record.
-    starts = [m.start() + 1 for m in re.finditer(rb"\n\*\d+\r\n\$3\r\nSET", data)]
+    # Tear one record in the middle: some bytes of its value never reached the disk, the records after it
+    # did. Inside the value, so the server's loader loses its place for certain: it forgives a header
+    # line's lost "\r" ("$3\n" reads as "$3\r\n"), which Valkey's checker does not (seed 613619241 tore
+    # just that, and the server started). A tear can also leave framing that still parses (a value
+    # swallowing the next record's first bytes), so draw again until the checker stops at the torn record.
+    records = [(m.start() + 1, m.end(), int(m.group(1))) for m in
+               re.finditer(rb"\n\*3\r\n\$3\r\nSET\r\n\$\d+\r\nk\d+\r\n\$(\d+)\r\n", data)]
+    middle = records[len(records) // 4: 3 * len(records) // 4]
     for _ in range(100):
-        torn = rng.choice(starts[len(starts) // 4: 3 * len(starts) // 4])
-        at = torn + rng.randint(12, 20)
-        incr.write_bytes(data[:at] + data[at + rng.randint(1, 12):])
+        torn, value, length = rng.choice(middle)
+        at = value + rng.randrange(length)
+        incr.write_bytes(data[:at] + data[at + rng.randint(1, min(12, value + length - at)):])
         if check_aof(incr) <= torn:
             break
     original = {p.name: p.read_bytes() for p in d.iterdir()}
