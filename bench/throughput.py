@@ -294,15 +294,16 @@ def main() -> None:
         print(f"wrote {OUT / args.tag}.csv, .png and .json")
     else:
         results: dict[str, dict[str, dict[str, Any]]] = {}
+        workloads_of = {s: workload for s in args.systems}
+        if "hf-generate-batch" in args.systems and args.generate_batch_prompts:
+            workloads_of["hf-generate-batch"] = OUT / "tmp" / f"{args.tag}-workload-gb.json"
+            workloads_of["hf-generate-batch"].write_text(
+                json.dumps({**w, "prompt_token_ids": w["prompt_token_ids"][: args.generate_batch_prompts]}))
         for dtype in args.dtype:
             runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
             for run in range(args.runs):
                 for system in args.systems:
-                    wl = workload
-                    if system == "hf-generate-batch" and args.generate_batch_prompts:
-                        wl = OUT / "tmp" / f"{args.tag}-workload-gb.json"
-                        wl.write_text(json.dumps({**w, "prompt_token_ids": w["prompt_token_ids"][: args.generate_batch_prompts]}))
-                    r = run_system(system, dtype, args, wl, args.max_num_seqs, run)
+                    r = run_system(system, dtype, args, workloads_of[system], args.max_num_seqs, run)
                     runs[system].append(r)
                     show(r)
             results[dtype] = {s: best_run(rs) for s, rs in runs.items()}

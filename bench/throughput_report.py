@@ -100,7 +100,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], 
         cells = [f"{v:,.1f}" if (v := results[d].get(s, {}).get("prompt_tokens_per_s")) is not None else "-"
                  for d in dtypes]
         lines.append(f"| {label(s, results, args)} | " + " | ".join(cells) + " |")
-    if getattr(args, "runs", 1) > 1:
+    if args.runs > 1:
         lines.append(f"\nEach system's best of {args.runs} runs, the systems taking turns; every run's tokens/s: " + "; ".join(
             f"{d} {s} " + ", ".join(f"{v:,.1f}" if v is not None else "failed" for v in r["runs_tokens_per_s"])
             for d in dtypes for s in systems if "runs_tokens_per_s" in (r := results[d].get(s, {}))) + ".")
