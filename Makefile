@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(VPY) -m mypy
+	scripts/typecheck.sh $(VPY)
 	$(VPY) -m pytest -q -ra
 
 # The embedded job server, a worker and the sample batch through the queue (scripts/demo.sh --help);

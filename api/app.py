@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI's Files and Batches APIs, native jobs and results, health and metrics.
 
 ``create_app()`` builds a fresh app (tests build their own); ``sluice serve`` runs
-``uvicorn --factory api.app:create_app``. Everything under ``/v1`` needs ``Authorization: Bearer
+``uvicorn --factory sluice.api.app:create_app``. Everything under ``/v1`` needs ``Authorization: Bearer
 $SLUICE_API_KEY`` when that variable is set; ``/healthz``, ``/metrics`` and the OpenAPI schema do not.
-Limits (``api.settings``): upload size, requests per batch file, prompt characters.
+Limits (``sluice.api.settings``): upload size, requests per batch file, prompt characters.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import redis
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sluice.api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
+from sluice.api.gate import Gate
+from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
+from sluice.api.settings import Settings
+from sluice.api.state import AppState, State, require_key
+from sluice.api.validation import max_line_bytes
+from sluice.jobs.connection import is_cluster
+from sluice.jobs.settings import load
+from sluice.jobs.store import list_workers
 from starlette.concurrency import run_in_threadpool
-
-from api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
-from api.gate import Gate
-from api.metrics import OpenAIMetrics, make_registry, request_labels
-from api.settings import Settings
-from api.state import AppState, State, require_key
-from api.validation import max_line_bytes
-from jobs.connection import is_cluster
-from jobs.settings import load
-from jobs.store import list_workers
 
 FILE_SWEEP_EVERY = 60.0  # seconds between deletions of expired files
 

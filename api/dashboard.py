@@ -5,7 +5,7 @@ The two pages are shells without data. Their script (static/dashboard.js) fetche
 ``/dashboard/`` with the API key the user typed (kept in the tab's sessionStorage, sent as the bearer
 token, never in a URL) and swaps them in every few seconds. The fragments are rendered here from the
 reads ``sluice status``/``sluice batches`` and ``/metrics`` make: ``page_batches``, ``count_batches``,
-``get_batch``, ``recent_results`` with ``jobs.rates.rates``, ``list_workers``. Rates over time come
+``get_batch``, ``recent_results`` with ``sluice.jobs.rates.rates``, ``list_workers``. Rates over time come
 from the ring in api/rate_samples.py. A download link carries a signature that lasts a few minutes
 (an HMAC keyed by the API key), never the key.
 """
@@ -27,14 +27,13 @@ import jinja2
 import redis
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
-
-from api.errors import ApiError, not_found
-from api.rate_samples import Point, RateSamples
-from api.state import Redis, State, require_key
-from jobs.openai_output import line_error_to_output_line, result_to_output_line
-from jobs.rates import duration, rates
-from jobs.schemas import Batch, Result
-from jobs.store import (
+from sluice.api.errors import ApiError, not_found
+from sluice.api.rate_samples import Point, RateSamples
+from sluice.api.state import Redis, State, require_key
+from sluice.jobs.openai_output import line_error_to_output_line, result_to_output_line
+from sluice.jobs.rates import duration, rates
+from sluice.jobs.schemas import Batch, Result
+from sluice.jobs.store import (
     count_batches,
     get_batch,
     get_line_errors,

@@ -8,10 +8,9 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sluice.jobs.spill import SpilledResultsMissing
+from sluice.jobs.submit import JobServerFull
 from starlette.exceptions import HTTPException
-
-from jobs.spill import SpilledResultsMissing
-from jobs.submit import JobServerFull
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",

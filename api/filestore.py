@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import redis
-
-from jobs.housekeeping import RESULTS_TTL
-from jobs.openai_output import line_error_to_output_line, result_to_output_line
-from jobs.schemas import Batch
-from jobs.store import get_batch, get_line_errors, read_results
+from sluice.jobs.housekeeping import RESULTS_TTL
+from sluice.jobs.openai_output import line_error_to_output_line, result_to_output_line
+from sluice.jobs.schemas import Batch
+from sluice.jobs.store import get_batch, get_line_errors, read_results
 
 _UPLOAD_ID = re.compile(r"^file-[0-9a-f]{24}$")
 OUTPUT_PREFIX, ERRORS_PREFIX = "file-output-", "file-errors-"

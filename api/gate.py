@@ -11,9 +11,8 @@ from __future__ import annotations
 import secrets
 
 from fastapi.responses import JSONResponse
+from sluice.api.errors import error_body
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from api.errors import error_body
 
 UPLOAD_PATH = "/v1/files"
 UPLOAD_SLACK = 64 * 1024  # multipart framing around the file's bytes

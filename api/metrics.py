@@ -1,6 +1,6 @@
 """``GET /metrics``: the API's request counts, and the job plane as seen at scrape time (live workers
 and queue depth per model, read from Redis), on the API's own Prometheus registry. Names as in
-``worker.metrics`` (the same concept has the same name; the workers add a ``worker`` label)."""
+``sluice.worker.metrics`` (the same concept has the same name; the workers add a ``worker`` label)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from jobs.store import list_workers, queue_depth
+from sluice.jobs.store import list_workers, queue_depth
 
 READ_EVERY = 5.0  # seconds a reading of the job plane is reused: scrapes must not each SCAN Redis
 # A label's values must be a set fixed in advance: every new value is a series kept for the process's

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from jobs.schemas import Batch
+from sluice.jobs.schemas import Batch
 
 MIN_GAP = 5.0  # seconds between two samples of one batch: results land in bursts, shorter reads as noise
 SIZE = 120  # samples kept per batch

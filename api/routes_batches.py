@@ -8,16 +8,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
-
-from api.errors import ApiError, not_found
-from api.filestore import error_file_id, output_file_id
-from api.state import Redis, State
-from jobs.embeddings import EMBEDDINGS_URL
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo
-from jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
-from jobs.submit import UnknownModel, resolve_model, submit
-from jobs.units import parse_duration
+from sluice.api.errors import ApiError, not_found
+from sluice.api.filestore import error_file_id, output_file_id
+from sluice.api.state import Redis, State
+from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo
+from sluice.jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
+from sluice.jobs.submit import UnknownModel, resolve_model, submit
+from sluice.jobs.units import parse_duration
 
 router = APIRouter(tags=["batches"])
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)

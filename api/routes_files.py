@@ -6,12 +6,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
+from sluice.api.errors import ApiError, not_found
+from sluice.api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, DiskFull, TooLarge
+from sluice.api.state import Redis, State
+from sluice.api.validation import bounded_lines, max_line_bytes, scan_lines
 from starlette.concurrency import run_in_threadpool
-
-from api.errors import ApiError, not_found
-from api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, DiskFull, TooLarge
-from api.state import Redis, State
-from api.validation import bounded_lines, max_line_bytes, scan_lines
 
 router = APIRouter(tags=["files"])
 JSONL = "application/jsonl"

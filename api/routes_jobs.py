@@ -9,15 +9,14 @@ from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Body
-
-from api.errors import ApiError, not_found
-from api.state import Redis, State
-from api.validation import check_job, named_model
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import Batch
-from jobs.store import cancel_batch, get_batch, read_results
-from jobs.submit import UnknownModel, resolve_model, submit
+from sluice.api.errors import ApiError, not_found
+from sluice.api.state import Redis, State
+from sluice.api.validation import check_job, named_model
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import Batch
+from sluice.jobs.store import cancel_batch, get_batch, read_results
+from sluice.jobs.submit import UnknownModel, resolve_model, submit
 
 router = APIRouter(tags=["jobs"])
 JOB_PREFIX = "job_"

@@ -25,20 +25,19 @@ import anyio
 import redis
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from sluice.api.errors import ApiError, error_body
+from sluice.api.metrics import OpenAIMetrics
+from sluice.api.state import AppState, get_state
+from sluice.api.validation import check_job, named_model
+from sluice.jobs import interactive
+from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.interactive import Delta, Waiter
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import completion_body
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
+from sluice.jobs.store import served_kinds
+from sluice.jobs.submit import UnknownModel, resolve_model, submit_job
 from starlette.concurrency import run_in_threadpool
-
-from api.errors import ApiError, error_body
-from api.metrics import OpenAIMetrics
-from api.state import AppState, get_state
-from api.validation import check_job, named_model
-from jobs import interactive
-from jobs.embeddings import EMBEDDINGS_URL
-from jobs.interactive import Delta, Waiter
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import completion_body
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
-from jobs.store import served_kinds
-from jobs.submit import UnknownModel, resolve_model, submit_job
 
 router = APIRouter(tags=["openai"])
 

@@ -1,4 +1,4 @@
-"""The API's settings: the job plane's (``jobs.settings``) plus its own limits, read from the environment
+"""The API's settings: the job plane's (``sluice.jobs.settings``) plus its own limits, read from the environment
 when the app is built (``SLUICE_MAX_UPLOAD_BYTES``, ...; the README's configuration table lists them)."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import field_validator
-
-from jobs.schemas import MAX_PRIORITY
-from jobs.settings import JobPlaneSettings
-from jobs.units import parse_size
+from sluice.jobs.schemas import MAX_PRIORITY
+from sluice.jobs.settings import JobPlaneSettings
+from sluice.jobs.units import parse_size
 
 
 class Settings(JobPlaneSettings):

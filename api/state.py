@@ -9,11 +9,10 @@ from typing import Annotated
 import redis
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
-from api.errors import ApiError
-from api.filestore import FileStore
-from api.settings import Settings
-from jobs.connection import connect
+from sluice.api.errors import ApiError
+from sluice.api.filestore import FileStore
+from sluice.api.settings import Settings
+from sluice.jobs.connection import connect
 
 
 class AppState:

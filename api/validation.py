@@ -12,10 +12,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from api.errors import ApiError
-from jobs.embeddings import EMBEDDINGS_URL
-from jobs.lines import LineError, parse_line
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
+from sluice.api.errors import ApiError
+from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
 
 MAX_REPORTED = 20
 

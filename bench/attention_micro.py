@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import torch  # noqa: E402
-
-from engine.attention import allocate_kv, head_major  # noqa: E402
-from kernels.cpu_ops import load_variant  # noqa: E402
+from sluice.engine.attention import allocate_kv, head_major  # noqa: E402
+from sluice.kernels.cpu_ops import load_variant  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -12,7 +12,7 @@ on two small tasks over local data (no downloads), through ``sluice serve`` and 
 lm-eval lives in its own venv (``--venv``, default /work/venvs/lmeval, made here when missing:
 ``python -m venv`` + ``pip install lm_eval[api]==0.4.13 transformers==5.24.0``), never in the project's.
 It tokenizes with the model's own tokenizer, written by this script to a local folder. The system: an
-embedded Valkey in a temporary SLUICE_HOME, ``python -m worker`` and ``sluice serve`` (as
+embedded Valkey in a temporary SLUICE_HOME, ``python -m sluice.worker`` and ``sluice serve`` (as
 bench/online_throughput.py starts them). Prints lm-eval's table and a summary; the results and every
 sample (``--log_samples``) are written under ``--out``.
 """
@@ -124,7 +124,7 @@ metric_list:
 
 def save_tokenizer(model: str | None, where: Path) -> Path:
     """The model's tokenizer as a plain folder lm-eval can read (the default model is a GGUF file)."""
-    from engine.loader import load_tokenizer
+    from sluice.engine.loader import load_tokenizer
 
     path = where / "tokenizer"
     load_tokenizer(model).save_pretrained(path)
@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="lm-eval's own venv (made when missing)")
     p.add_argument("--num-concurrent", type=int, default=16, help="lm-eval's concurrent requests")
     p.add_argument("--port", type=int, default=8766)
-    p.add_argument("--worker-args", default="", help="extra `python -m worker` flags, e.g. '--dtype float32'")
+    p.add_argument("--worker-args", default="", help="extra `python -m sluice.worker` flags, e.g. '--dtype float32'")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "lmeval", help="lm-eval's output folder")
     args = p.parse_args()
 

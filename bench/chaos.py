@@ -38,16 +38,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import redis  # noqa: E402
-
-from jobs import keys  # noqa: E402
-from jobs.connection import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
-from jobs.schemas import Result  # noqa: E402
-from jobs.store import cancel_batch, dead_letters, get_batch, pending_under, read_results  # noqa: E402
-from jobs.submit import submit  # noqa: E402
-from worker.__main__ import EXIT_ENGINE_SICK  # noqa: E402
+from sluice.jobs import keys  # noqa: E402
+from sluice.jobs.connection import ENV_HOME, connect, ensure_server, stop_server  # noqa: E402
+from sluice.jobs.schemas import Result  # noqa: E402
+from sluice.jobs.store import cancel_batch, dead_letters, get_batch, pending_under, read_results  # noqa: E402
+from sluice.jobs.submit import submit  # noqa: E402
+from sluice.worker.__main__ import EXIT_ENGINE_SICK  # noqa: E402
 
 QUEUE = "chaos"
 HEARTBEAT_TTL = 2.0

@@ -45,12 +45,11 @@ def main() -> None:
     ap.add_argument("--setting", action="append", help="NAME=key:value,... (repeatable; default: " +
                     " ".join(DEFAULT_SETTINGS) + ")")
     args = ap.parse_args()
-    from engine.omp_spin import short_omp_spin
+    from sluice.engine.omp_spin import short_omp_spin
 
     short_omp_spin()  # before torch loads, as the CLI does for an embedding model
     import torch
-
-    from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
+    from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
 
     if args.threads:
         torch.set_num_threads(args.threads)

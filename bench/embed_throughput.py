@@ -113,10 +113,10 @@ def timed(fn: Any) -> tuple[Any, float, float]:
     out = fn()
     return out, time.perf_counter() - t0, tree_cpu_seconds() - c0
 def child_sluice(texts: list[str], model_dir: str, args: argparse.Namespace) -> tuple[list[list[float]], dict[str, Any]]:
-    from engine.omp_spin import short_omp_spin
+    from sluice.engine.omp_spin import short_omp_spin
 
     spin = short_omp_spin()  # before torch loads, as `sluice worker` / `sluice generate` do for an embedding model
-    from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
+    from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
 
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     eng = EmbeddingEngine(model_dir, max_num_seqs=args.max_num_seqs, **budget)
@@ -240,10 +240,9 @@ def main() -> None:
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
 
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
+    from sluice.engine.embedding_model import minilm_dir
     from transformers import AutoTokenizer
-
-    from engine.embedding_model import minilm_dir
 
     model_dir = str(minilm_dir())
     texts = passages(args.num_passages)

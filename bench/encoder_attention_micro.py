@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu_ops import encoder_attention
+from sluice.kernels.cpu_ops import encoder_attention
 
 SHAPES = [(64, 32), (32, 64), (16, 128), (8, 256)]  # (batch, longest): 2,048 padded tokens each
 

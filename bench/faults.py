@@ -1,6 +1,6 @@
 """A worker process with faults injected, for the chaos run (bench/chaos.py) and the reliability tests:
 
-    python bench/faults.py <the arguments of python -m worker>
+    python bench/faults.py <the arguments of python -m sluice.worker>
 
 The faults are patched in here, never shipped in the packages; each is off unless its variable is set:
 
@@ -10,7 +10,7 @@ The faults are patched in here, never shipped in the packages; each is off unles
     CHAOS_SLOW_DISK=PATH    while the file PATH exists, each write of a results chunk (jobs/spill.py)
                             stalls until PATH is removed (at most SLOW_DISK_MAX seconds): a dying disk.
                             The stalled process creates PATH.held.<pid> meanwhile, so a caller can see it.
-    CHAOS_SPILL_KEEP=N      results left in the stream when moving them to files (jobs.spill.KEEP), so a
+    CHAOS_SPILL_KEEP=N      results left in the stream when moving them to files (sluice.jobs.spill.KEEP), so a
                             small batch spills (with SLUICE_RESULTS_SPILL).
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 log = logging.getLogger("chaos.faults")
 
@@ -36,7 +36,7 @@ class DeviceAssert(RuntimeError):
 
 
 def break_engine_on(marker: str) -> None:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     real_step = LLM.step
     broken: list[str] = []  # the request that broke this process's engine, once one has
@@ -54,7 +54,7 @@ def break_engine_on(marker: str) -> None:
 
 
 def slow_disk(flag: Path) -> None:
-    from jobs import spill
+    from sluice.jobs import spill
 
     real_write = spill._write
 
@@ -79,10 +79,10 @@ def main() -> None:
     if flag := os.environ.get("CHAOS_SLOW_DISK"):
         slow_disk(Path(flag))
     if keep := os.environ.get("CHAOS_SPILL_KEEP"):
-        from jobs import spill
+        from sluice.jobs import spill
 
         spill.KEEP = int(keep)
-    from worker.__main__ import main as worker_main
+    from sluice.worker.__main__ import main as worker_main
 
     worker_main(sys.argv[1:])
 

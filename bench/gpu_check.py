@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a plain script from anywhere
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # runnable from anywhere; after site-packages, so our kernels/ hides no installed kernels
 
 from bench.gpu_checks.common import DRY, FULL, JSONL, JUDGED, ROOT, SECTIONS, Plan, Reporter, Row  # noqa: E402
 from bench.gpu_checks.correctness import check_correctness  # noqa: E402

@@ -18,9 +18,9 @@ import logging
 import time
 from pathlib import Path
 
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "vicuna_bench.jsonl"
 # Grammars with no end: a constrained request runs to max_tokens just like an ignore_eos free one.

@@ -17,13 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import torch  # noqa: E402
-
-from engine.lora.adapters import LoraAdapter, LoraWeights  # noqa: E402
-from engine.lora.batch import adapter_runs  # noqa: E402
-from engine.lora.layers import LoraHook, LoraStep  # noqa: E402
+from sluice.engine.lora.adapters import LoraAdapter, LoraWeights  # noqa: E402
+from sluice.engine.lora.batch import adapter_runs  # noqa: E402
+from sluice.engine.lora.layers import LoraHook, LoraStep  # noqa: E402
 
 HIDDEN, INTER, Q, KV = 576, 1536, 576, 192
 MODULES = {"qkv": (HIDDEN, [("q", 0, Q), ("k", Q, KV), ("v", Q + KV, KV)]), "o": (Q, [("o", 0, HIDDEN)]),

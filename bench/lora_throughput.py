@@ -62,9 +62,9 @@ def make_adapters(model_dir: str, root: Path, count: int, rank: int) -> dict[str
 
 
 def child(args: argparse.Namespace) -> None:
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     w = json.loads(args.workload.read_text())
     adapters = dict(list(w["adapters"].items())[: args.child_adapters])
@@ -180,7 +180,7 @@ def main() -> None:
         child(args)
         return
     counts = [int(x) for x in args.adapters.split(",")]
-    from engine.loader import dense_path, load_tokenizer, resolve_model
+    from sluice.engine.loader import dense_path, load_tokenizer, resolve_model
 
     model_dir = dense_path(resolve_model(args.model))
     adapters = make_adapters(model_dir, OUT / "lora-adapters", max(counts), args.rank)

@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import torch  # noqa: E402
-
-from engine.linear import make_linear  # noqa: E402
-from engine.models import llama  # noqa: E402
-from kernels import cpu_fused  # noqa: E402
+from sluice.engine.linear import make_linear  # noqa: E402
+from sluice.engine.models import llama  # noqa: E402
+from sluice.kernels import cpu_fused  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The online path (``/v1/chat/completions`` with N concurrent clients) against the batch path (the same
 prompts as one batch), through the real system: an embedded Valkey in a temporary SLUICE_HOME, one
-``python -m worker`` and one ``sluice serve``, each its own process.
+``python -m sluice.worker`` and one ``sluice serve``, each its own process.
 
     python bench/online_throughput.py                                   # SmolLM2, 1024 prompts x 64 tokens
     python bench/online_throughput.py --model /path/to/tiny --requests 64 --clients 4,16 --max-tokens 8
@@ -78,18 +78,18 @@ def stop_system(procs: list[subprocess.Popen], home: Path) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    from jobs.connection import stop_server
+    from sluice.jobs.connection import stop_server
 
     stop_server(home, kill=True)
 
 
 def start_system(args: argparse.Namespace, home: Path, env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
-    from jobs import keys
-    from jobs.connection import connect, ensure_server
+    from sluice.jobs import keys
+    from sluice.jobs.connection import connect, ensure_server
 
     ensure_server(home)
     r = connect()
-    wcmd = [sys.executable, "-m", "worker", "--queue", QUEUE, "--worker-id", "bench-worker"]
+    wcmd = [sys.executable, "-m", "sluice.worker", "--queue", QUEUE, "--worker-id", "bench-worker"]
     if args.model:
         wcmd += ["--model", args.model]
     wcmd += args.worker_args.split()
@@ -115,9 +115,9 @@ def start_system(args: argparse.Namespace, home: Path, env: dict[str, str]) -> t
 
 
 def batch_path(prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    from jobs.connection import connect
-    from jobs.store import get_batch
-    from jobs.submit import submit
+    from sluice.jobs.connection import connect
+    from sluice.jobs.store import get_batch
+    from sluice.jobs.submit import submit
 
     lines = [json.dumps({"custom_id": f"b{i}", "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
                          "ignore_eos": True, "temperature": 0}) for i, p in enumerate(prompts)]
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--clients", default="16,64,256", help="comma-separated concurrent client counts")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--worker-args", default="", help="extra `python -m worker` flags, e.g. '--dtype float32'")
+    p.add_argument("--worker-args", default="", help="extra `python -m sluice.worker` flags, e.g. '--dtype float32'")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/out/online_<time>.json)")
     args = p.parse_args()
 

@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import torch  # noqa: E402
+from sluice.engine.linear import make_linear  # noqa: E402
+from sluice.kernels.cpu_fused import apply_rotary, rms_norm, silu_and_mul  # noqa: E402
 from torch import nn  # noqa: E402
-
-from engine.linear import make_linear  # noqa: E402
-from kernels.cpu_fused import apply_rotary, rms_norm, silu_and_mul  # noqa: E402
 
 
 class Layer:

@@ -31,15 +31,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: our kernels/ must not hide transformers' kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from sluice.engine.llm import LLM  # noqa: E402
+from sluice.engine.outputs import Request  # noqa: E402
+from sluice.engine.sampling_params import SamplingParams  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 
 # Top-level ops and the category their time counts towards; anything else is "other". The GEMMs of
 # engine/linear.py's oneDNN paths are mkldnn::_linear_pointwise; the fp32-compute path's casts of the
@@ -134,8 +133,7 @@ def lora_adapters(model: str | None, count: int) -> dict[str, str]:
     if not count:
         return {}
     import lora_throughput  # bench/lora_throughput.py, beside this file
-
-    from engine.loader import dense_path, resolve_model
+    from sluice.engine.loader import dense_path, resolve_model
 
     return lora_throughput.make_adapters(dense_path(resolve_model(model)), lora_throughput.OUT / "lora-adapters",
                                          count, 16)

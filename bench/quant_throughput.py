@@ -39,10 +39,10 @@ DEFAULT_CONFIGS = "float32:auto,float32:int8,bfloat16:auto,bfloat16:int8"
 
 # ---- one config, in its own process ------------------------------------------------------------
 def run_child(args: argparse.Namespace) -> None:
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.quant.weight_bytes import weight_bytes
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.quant.weight_bytes import weight_bytes
+    from sluice.engine.sampling_params import SamplingParams
 
     w = json.loads(Path(args.workload).read_text())
     dtype, quantization = args.child.split(":")
@@ -101,10 +101,9 @@ def run_config(config: str, args: argparse.Namespace, workload: Path) -> dict[st
 def gemm_table(model: str | None, rows: list[int], repeats: int) -> str:
     import torch
     import torch.nn.functional as F
-
-    from engine.linear import model_gemm_shapes
-    from engine.loader import load_config
-    from engine.quant.int8 import quantize_per_channel
+    from sluice.engine.linear import model_gemm_shapes
+    from sluice.engine.loader import load_config
+    from sluice.engine.quant.int8 import quantize_per_channel
 
     shapes = model_gemm_shapes(load_config(model)).layer
     gen = torch.Generator().manual_seed(0)
@@ -195,7 +194,7 @@ def main() -> None:
         (OUT / f"{args.tag}-gemm.md").write_text(table + "\n")
         print(table)
         return
-    from engine.loader import load_tokenizer
+    from sluice.engine.loader import load_tokenizer
 
     ids = workloads.build("chat", load_tokenizer(args.model), args.num_prompts)
     workload = OUT / f"{args.tag}.workload.json"

@@ -16,8 +16,8 @@ class Server:
     """A fresh job server for one measurement: the embedded Valkey, or a 3-primary cluster."""
 
     def __init__(self, cluster: bool) -> None:
-        from jobs.connection import connect, ensure_server
-        from jobs.local_cluster import LocalCluster
+        from sluice.jobs.connection import connect, ensure_server
+        from sluice.jobs.local_cluster import LocalCluster
 
         self.dir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
         self.cluster = LocalCluster(self.dir / "cluster").start() if cluster else None
@@ -30,7 +30,7 @@ class Server:
         return int(self.r.info("memory")["used_memory"])
 
     def close(self) -> None:
-        from jobs.connection import stop_server
+        from sluice.jobs.connection import stop_server
 
         self.r.close()
         if self.cluster is not None:
@@ -41,8 +41,8 @@ class Server:
 
 def fake_outcome(d: Any, rng: Any) -> Any:
     """What a worker writes for a completed job, with a made-up output of 100-300 characters."""
-    from jobs.consumer.commands import Outcome
-    from jobs.schemas import Result, ResultUsage
+    from sluice.jobs.consumer.commands import Outcome
+    from sluice.jobs.schemas import Result, ResultUsage
 
     text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(100, 300)))
     res = Result(job_id=f"{d.job.batch_id}:{d.job.idx}", custom_id=d.job.custom_id, batch_id=d.job.batch_id,
@@ -57,8 +57,8 @@ def drain(r: Any, queue: str, writer: Any, rng: Any, pull: int = 2000, after_flu
     """A fake worker: pull jobs, 'generate' at once, write each outcome through the worker's writer, and
     move results to files after each flush as the worker's upkeep thread does (``spill``: a Spill).
     A disk that refuses is noted, as the worker notes it; its results stay in Redis."""
-    from jobs.consumer import commands as consumer
-    from jobs.scripts import Scripts
+    from sluice.jobs.consumer import commands as consumer
+    from sluice.jobs.scripts import Scripts
 
     scripts, done = Scripts(r), 0
     while True:
@@ -84,8 +84,8 @@ def simple_lines(n: int) -> list[str]:
 
 def key_bytes(r: Any, batch_id: str) -> dict[str, int]:
     """MEMORY USAGE of each key of a batch (SAMPLES 0: every element counted)."""
-    from jobs import keys
-    from jobs.store import priorities
+    from sluice.jobs import keys
+    from sluice.jobs.store import priorities
 
     out = {}
     for k in keys.batch_keys(batch_id, priorities(r, batch_id)):
@@ -98,9 +98,9 @@ def key_bytes(r: Any, batch_id: str) -> dict[str, int]:
 def bench_queue_path(n: int, cluster: bool, seed: int = 0) -> dict[str, Any]:
     import random
 
-    from jobs.consumer.outbox import Writer
-    from jobs.store import read_results
-    from jobs.submit import submit
+    from sluice.jobs.consumer.outbox import Writer
+    from sluice.jobs.store import read_results
+    from sluice.jobs.submit import submit
 
     srv = Server(cluster)
     try:
@@ -134,11 +134,11 @@ def bench_spill(n: int, spill_at: int, cluster: bool, seed: int = 0) -> dict[str
     every result read back exactly once."""
     import random
 
-    from jobs import keys
-    from jobs.consumer.outbox import CHUNK, Writer
-    from jobs.spill import KEEP, Spill
-    from jobs.store import read_results
-    from jobs.submit import submit
+    from sluice.jobs import keys
+    from sluice.jobs.consumer.outbox import CHUNK, Writer
+    from sluice.jobs.spill import KEEP, Spill
+    from sluice.jobs.store import read_results
+    from sluice.jobs.submit import submit
 
     srv = Server(cluster)
     files = srv.dir / "files"

@@ -5,7 +5,7 @@ queue (submit -> worker -> results in Redis) against the in-process engine.
     python bench/queue_throughput.py --skip-e2e --submit-jobs 100000
     python bench/queue_throughput.py --model /path/to/tiny --num-prompts 512 --max-tokens 16
 
-Submission: N chat lines through ``jobs.submit.submit`` into a fresh embedded Valkey (its own temporary
+Submission: N chat lines through ``sluice.jobs.submit.submit`` into a fresh embedded Valkey (its own temporary
 SLUICE_HOME unless --redis-url), best and median of --repeats runs; target 20,000 jobs/s.
 
 End to end: the same prompts (shared vicuna/mt-bench first turns, chat template, greedy, ignore_eos so
@@ -77,8 +77,8 @@ def chat_lines(prompts: list[str], max_tokens: int) -> list[str]:
 
 # ---- submission ------------------------------------------------------------------------------------
 def bench_submit(n: int, repeats: int, redis_url: str | None) -> dict[str, Any]:
-    from jobs.connection import connect, ensure_server, stop_server
-    from jobs.submit import submit
+    from sluice.jobs.connection import connect, ensure_server, stop_server
+    from sluice.jobs.submit import submit
 
     home = None
     if redis_url is None:
@@ -104,8 +104,7 @@ def bench_submit(n: int, repeats: int, redis_url: str | None) -> dict[str, Any]:
 def occupancy_engine(engine_kwargs: dict[str, Any], model: str | None, total: int) -> Any:
     """An LLM that notes, per step, the running sequences and how many requests are still unfinished."""
     import torch
-
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     class Observed(LLM):
         def __init__(self) -> None:
@@ -143,8 +142,8 @@ def steady_occupancy(samples: list[tuple[int, int]], cap: int) -> float:
 
 
 def bench_in_process(llm: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     reqs = [Request(f"r{i}", messages=[{"role": "user", "content": p}], params=params) for i, p in enumerate(prompts)]
@@ -157,10 +156,10 @@ def bench_in_process(llm: Any, prompts: list[str], max_tokens: int) -> dict[str,
 
 def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | None,
                 worker_thread: bool = False) -> dict[str, Any]:
-    from jobs.connection import connect, ensure_server, stop_server
-    from jobs.store import get_batch
-    from jobs.submit import submit
-    from worker.worker import Worker, WorkerOptions
+    from sluice.jobs.connection import connect, ensure_server, stop_server
+    from sluice.jobs.store import get_batch
+    from sluice.jobs.submit import submit
+    from sluice.worker.worker import Worker, WorkerOptions
 
     home = None
     if redis_url is None:
@@ -198,7 +197,7 @@ def bench_queue(llm: Any, prompts: list[str], max_tokens: int, redis_url: str | 
 
 def _watch(r: Any, batch_id: str, stop: threading.Event, final: list[Any]) -> None:
     """Stop the worker once the batch is final (polled rarely: this thread competes for the 2 cores)."""
-    from jobs.store import get_batch
+    from sluice.jobs.store import get_batch
 
     while not (b := get_batch(r, batch_id)).is_final:
         time.sleep(0.2)
@@ -256,8 +255,8 @@ def _e2e_rounds(args: argparse.Namespace, prompts: list[str], kw: dict[str, Any]
 
 
 def _warmup_request() -> Any:
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     return Request("warmup", prompt="Hello there", params=SamplingParams(max_tokens=4))
 

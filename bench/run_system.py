@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.loader import load_hf_model, load_tokenizer
+from sluice.engine.loader import load_hf_model, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_BATCH = 16  # the static baselines' batch (transformers and Sluice --policy static)
@@ -83,8 +82,8 @@ def _request_index(request_id: str) -> int:
 # ---- Sluice ------------------------------------------------------------------------------------
 def sluice_generate(llm: Any, ids: list[list[int]], max_tokens: int, s: dict[str, Any]) -> list[list[int]]:
     """Every sample of every request, request by request; a seed per request (seed + its index)."""
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
@@ -99,7 +98,7 @@ def matmul_ceiling(cfg: Any, dtype: torch.dtype, batch: int = 256, reps: int = 5
     """Tokens/s if a decode step were nothing but the model's matmuls at ``batch`` rows, measured here.
     Each GEMM counts at the faster of F.linear and the implementation the engine picks for ``dtype``
     (engine/linear.py), so a faster engine path raises the ceiling rather than beating a slow yardstick."""
-    from engine import linear
+    from sluice.engine import linear
 
     shapes = linear.model_gemm_shapes(cfg)
     engine_impl = linear.choose(shapes, dtype)[0]
@@ -132,7 +131,7 @@ def prepare(args: argparse.Namespace, w: dict[str, Any]) -> tuple[Generate, dict
         tok = load_tokenizer(w["model"])
         pad = tok.pad_token_id if tok.pad_token_id is not None else min(hf_eos(model))
         return (lambda ids, n, s: hf_static(model, tok, pad, ids, n, s)), {"batch": HF_BATCH}
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     kw: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                           "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 import torch  # noqa: E402
-
-from engine.sampler import sample  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from sluice.engine.sampler import sample  # noqa: E402
+from sluice.engine.sampling_params import SamplingParams  # noqa: E402
+from sluice.engine.sequence import Sequence  # noqa: E402
 
 CASES: dict[str, dict[str, Any]] = {
     "greedy": {},
@@ -46,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.thread_time
-    from kernels import cpu_fused
+    from sluice.kernels import cpu_fused
 
     gen = torch.Generator().manual_seed(0)
     logits = 2 * torch.randn(args.batch, args.vocab, generator=gen)

@@ -65,10 +65,10 @@ def score_lines(texts: list[str]) -> list[str]:
 
 # ---- the children ---------------------------------------------------------------------------------
 def run_sluice(args: argparse.Namespace, lines: list[str]) -> dict[str, Any]:
-    from engine.llm import LLM
-    from jobs.lines import parse_line
-    from jobs.openai_output import result_to_output_line
-    from worker.convert import completion_to_result, job_to_request
+    from sluice.engine.llm import LLM
+    from sluice.jobs.lines import parse_line
+    from sluice.jobs.openai_output import result_to_output_line
+    from sluice.worker.convert import completion_to_result, job_to_request
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
@@ -88,9 +88,8 @@ def run_sluice(args: argparse.Namespace, lines: list[str]) -> dict[str, Any]:
 
 def run_hf(args: argparse.Namespace, lines: list[str]) -> dict[str, Any]:
     import torch
+    from sluice.engine.loader import DEFAULT_MODEL, dense_path, resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.loader import DEFAULT_MODEL, dense_path, resolve_model
 
     src = resolve_model(args.model or DEFAULT_MODEL)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}[args.dtype]
@@ -133,9 +132,8 @@ def hf_pass(model: Any, ids: list[list[int]], batch_size: int) -> tuple[float, d
 def run_ceiling(args: argparse.Namespace, lines: list[str]) -> dict[str, Any]:
     """Tokens per second of the model's GEMMs alone: per GEMM the fastest CPU path (engine/linear.py)."""
     import torch
-
-    from engine.linear import candidates, model_gemm_shapes, time_gemms
-    from engine.loader import load_config
+    from sluice.engine.linear import candidates, model_gemm_shapes, time_gemms
+    from sluice.engine.loader import load_config
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     shapes = model_gemm_shapes(load_config(args.model))

@@ -1,13 +1,13 @@
 """Start-up: ``sluice generate`` of a one-line file, from spawning the process to its first result line.
 
-Each run is a fresh process (``python -m cli.main generate ...`` on this checkout); the first finds
+Each run is a fresh process (``python -m sluice.cli.main generate ...`` on this checkout); the first finds
 empty caches (its own SLUICE_HOME and SLUICE_MODEL_CACHE: the GGUF is dequantized, the GEMM and dtype
 choices measured), the rest find what the first left (warm). The C++ ops come from the user's torch
 extensions cache as ``scripts/install.sh`` leaves it (``--cold-ops``: a fresh one, so the first run
 compiles them). Reported per run and as the median and spread of the warm runs, in seconds:
 
     interpreter   spawn -> the child's first line of Python
-    cli import    import cli.main
+    cli import    import sluice.cli.main
     to engine     the command itself up to the engine's constructor (its imports: torch, transformers, ...)
     <engine>      the phases of the engine's "start-up in" log line (engine/startup_clock.py)
     first result  the engine built -> the first result line in the output file (tokenizing, prefill, decode)
@@ -31,18 +31,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
-from engine.startup_clock import parse_line  # noqa: E402 - after the path: run as a script from anywhere
+from sluice.engine.startup_clock import parse_line  # noqa: E402 - after the path: run as a script from anywhere
 
-# The child: notes when its Python starts and when cli.main is imported, logs with wall-clock stamps
+# The child: notes when its Python starts and when sluice.cli.main is imported, logs with wall-clock stamps
 # (the CLI's basicConfig is then a no-op), and runs the command.
 CHILD = """
 import time, sys
 t_start = time.time()
 import logging
 logging.basicConfig(level=logging.INFO, format="@%(created).4f %(levelname)s %(name)s: %(message)s")
-import cli.main
+import sluice.cli.main
 print(f"@{t_start:.4f} STARTUP python", file=sys.stderr, flush=True)
 print(f"@{time.time():.4f} STARTUP imported", file=sys.stderr, flush=True)
 sys.argv[0] = "sluice"

@@ -70,7 +70,7 @@ SWEEP_POINTS = "4,16,64,128,256"
 def write_workload(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The token ids and sampling settings every system gets, and the Hugging Face directory vLLM loads
     (written once from the GGUF by the project's loader)."""
-    from engine.loader import dense_path, load_tokenizer, resolve_model
+    from sluice.engine.loader import dense_path, load_tokenizer, resolve_model
 
     tok = load_tokenizer(args.model)
     ids = workloads.build(args.workload, tok, args.num_prompts)

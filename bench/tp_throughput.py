@@ -27,7 +27,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide transformers' kernels
 
 SHAPE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -36,9 +36,8 @@ SHAPE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidd
 
 def make_model(path: Path, seed: int) -> Path:
     import torch
+    from sluice.engine.loader import DEFAULT_MODEL, dense_path, resolve_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from engine.loader import DEFAULT_MODEL, dense_path, resolve_model
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE))
@@ -49,9 +48,9 @@ def make_model(path: Path, seed: int) -> Path:
 
 def run_one(model_dir: str, tp: int, work: list[list[int]], max_tokens: int, dtype: str, max_num_seqs: int) -> dict[str, Any]:
     """One size in this process: warm up, then the whole workload; tokens/s over the generation."""
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     t0 = time.monotonic()
     llm = LLM(model_dir, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=max_num_seqs, kv_cache_memory=(1 << 30) // tp)

@@ -11,10 +11,17 @@ from urllib.parse import urlsplit
 
 import click
 import redis
-
-from jobs.connection import ENV_URL, EmbeddedServer, OnStart, connect, external_url, redis_url, sluice_home
-from jobs.schemas import Batch
-from jobs.settings import SettingsError
+from sluice.jobs.connection import (
+    ENV_URL,
+    EmbeddedServer,
+    OnStart,
+    connect,
+    external_url,
+    redis_url,
+    sluice_home,
+)
+from sluice.jobs.schemas import Batch
+from sluice.jobs.settings import SettingsError
 
 EXIT_USER_ERROR = 1
 EXIT_USAGE = 2  # click's own: unknown option, missing argument, bad option value
@@ -88,7 +95,7 @@ def need_engine(model: str | None = None) -> None:
     (the API's image, or `pip install sluice-llm[api]`, has none). Before torch loads: an embedding
     ``model``'s OpenMP threads spin briefly (engine/omp_spin.py)."""
     try:
-        from engine.omp_spin import is_embedding_model, short_omp_spin
+        from sluice.engine.omp_spin import is_embedding_model, short_omp_spin
 
         if is_embedding_model(model):
             short_omp_spin()

@@ -11,10 +11,8 @@ from typing import Any
 
 import click
 import redis
-from tqdm import tqdm
-
-from cli.common import EXIT_SOME_FAILED, UserError, interrupted, require_batch
-from cli.datasets import (
+from sluice.cli.common import EXIT_SOME_FAILED, UserError, interrupted, require_batch
+from sluice.cli.datasets import (
     RowFlags,
     UsageLine,
     check_spec,
@@ -24,17 +22,18 @@ from cli.datasets import (
     run_writer,
     summary_text,
 )
-from cli.output import STDIO
-from jobs.schemas import Batch, SamplingParams
-from jobs.store import cancel_batch, get_batch
+from sluice.cli.output import STDIO
+from sluice.jobs.schemas import Batch, SamplingParams
+from sluice.jobs.store import cancel_batch, get_batch
+from tqdm import tqdm
 
 
 def submit_dataset(r: redis.Redis, input_url: str, rows: RowFlags, queue: str, defaults: SamplingParams,
                    priority: int, window: float, *, wait: bool, output: str | None, as_json: bool) -> None:
     """Queue the rows; print the batch id (or, with --json, the batch); with ``wait``, write the rows
     with their results to ``output`` as they land."""
-    from jobs import keys
-    from jobs.datasets.queue import submit_rows
+    from sluice.jobs import keys
+    from sluice.jobs.datasets.queue import submit_rows
 
     if STDIO in (input_url, output):
         raise UsageLine("a dataset is read from and written to a file or URL, not stdin or stdout (-)")
@@ -76,7 +75,7 @@ def results_dataset(r: redis.Redis, batch_id: str, output: str, source_url: str 
                     follow: bool, progress: bool) -> None:
     """`sluice results BATCH -o OUT.parquet`: every source row with its result (so far, or with
     ``follow`` as they land); rows without one yet get the error no_result."""
-    from jobs.datasets.queue import refused_rows, render_errors, spec_of
+    from sluice.jobs.datasets.queue import refused_rows, render_errors, spec_of
 
     if output == STDIO:
         raise UsageLine("a dataset is written to a file or URL, not stdout (-)")
@@ -100,7 +99,7 @@ def results_dataset(r: redis.Redis, batch_id: str, output: str, source_url: str 
 def _follow_into(r: redis.Redis, batch: Batch, writer: Any, row_errors: list[Any], output: str, *,
                  progress: bool, follow: bool = True) -> tuple[Batch, bool]:
     """Write the rows with their results; returns the batch now and whether it ended with failed rows."""
-    from jobs.datasets.queue import join_results
+    from sluice.jobs.datasets.queue import join_results
 
     t0 = time.time()
     bar = tqdm(total=batch.counts.total, unit="req", file=sys.stderr, disable=not progress or None,

@@ -19,11 +19,10 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import click
-
-from cli.common import EXIT_USAGE, UserError, one_line
+from sluice.cli.common import EXIT_USAGE, UserError, one_line
 
 if TYPE_CHECKING:
-    from jobs.datasets import ResultsWriter, RowSpec, Source, WriteSummary
+    from sluice.jobs.datasets import ResultsWriter, RowSpec, Source, WriteSummary
 
 # Told by the name without pyarrow (a JSONL run must not need the datasets extra).
 _DATASET_SUFFIXES = (".parquet", ".pq", ".csv")
@@ -75,7 +74,7 @@ class RowFlags:
         return self.row_given() or self.output_format is not None
 
     def spec(self) -> RowSpec:
-        from jobs.datasets import RowSpec, SpecError
+        from sluice.jobs.datasets import RowSpec, SpecError
 
         try:
             return RowSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
@@ -140,7 +139,7 @@ def dataset_errors() -> Iterator[None]:
     """The datasets library's errors as one line: a missing extra, an unreadable source (exit 1), a
     spec that does not fit the source (a usage error, exit 2)."""
     try:
-        from jobs.datasets import SourceError, SpecError
+        from sluice.jobs.datasets import SourceError, SpecError
     except ImportError as e:  # the datasets extra is not installed
         raise UserError(str(e).replace("this needs", "dataset inputs and outputs need", 1)) from None
     try:
@@ -154,20 +153,20 @@ def dataset_errors() -> Iterator[None]:
 
 
 def open_input(url: str) -> Source:
-    from jobs.datasets import open_source
+    from sluice.jobs.datasets import open_source
 
     return open_source(url)
 
 
 def check_spec(source: Source, spec: RowSpec) -> None:
     """A spec that names a column the source lacks fails here, before a model loads or a batch is made."""
-    from jobs.datasets.rows import RowRenderer
+    from sluice.jobs.datasets.rows import RowRenderer
 
     RowRenderer(spec, None if source.format == "jsonl" else source.column_names())
 
 
 def open_writer(output: str, source: Source, spec: RowSpec, rows: RowFlags, resume: bool = False) -> ResultsWriter:
-    from jobs.datasets import ResultsWriter
+    from sluice.jobs.datasets import ResultsWriter
 
     return ResultsWriter(output, source, spec, format=rows.output_format, resume=resume)
 
@@ -197,7 +196,7 @@ def generate_dataset(input_url: str, output: str, rows: RowFlags, *, resume: boo
     """`sluice generate` on a dataset: rows through the engine in this process, joined to OUTPUT."""
     t0 = time.time()
     with dataset_errors():
-        from worker.generate_rows import generate_rows
+        from sluice.worker.generate_rows import generate_rows
 
         spec = rows.spec()
         source = open_input(input_url)

@@ -3,7 +3,7 @@
 Commands that need the job server start the embedded one (in SLUICE_HOME) when SLUICE_REDIS_URL is
 unset and leave it running, so later commands find their batches; these commands show it and stop it.
 An external server (SLUICE_REDIS_URL) can be shown but is not sluice's to start or stop. ``repair``
-mends an embedded server's append-only file that would not load (``jobs.aof``).
+mends an embedded server's append-only file that would not load (``sluice.jobs.aof``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any
 
 import click
 import redis
-
-from cli.common import (
+from sluice.cli.common import (
     EXIT_SERVER_DOWN,
     UserError,
     announce_start,
@@ -22,8 +21,8 @@ from cli.common import (
     open_server,
     server_name,
 )
-from jobs import aof
-from jobs.connection import (
+from sluice.jobs import aof
+from sluice.jobs.connection import (
     ENV_URL,
     EmbeddedServer,
     connect,
@@ -33,7 +32,7 @@ from jobs.connection import (
     find_server,
     stop_server,
 )
-from jobs.store import count_batches
+from sluice.jobs.store import count_batches
 
 
 @click.group("server")

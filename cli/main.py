@@ -26,15 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
-from cli.datasets import InputArg, RowFlags, UsageLine, generate_dataset, wants_dataset, with_row_options
-from cli.job_server_cmds import server_cmd
-from cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
-from cli.output import STDIO, default_errors_path
-from cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
-from cli.run_cmds import serve_cmd, up_cmd, worker_cmd
-from jobs.settings import SettingsError
+from sluice.cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
+from sluice.cli.datasets import (
+    InputArg,
+    RowFlags,
+    UsageLine,
+    generate_dataset,
+    wants_dataset,
+    with_row_options,
+)
+from sluice.cli.job_server_cmds import server_cmd
+from sluice.cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
+from sluice.cli.output import STDIO, default_errors_path
+from sluice.cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
+from sluice.cli.run_cmds import serve_cmd, up_cmd, worker_cmd
+from sluice.jobs.settings import SettingsError
 
 
 class SluiceGroup(click.Group):
@@ -89,7 +95,7 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
         _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress)
         return
     need_engine(model)
-    from worker.generate_file import generate_file
+    from sluice.worker.generate_file import generate_file
 
     to_stdout = output_file == STDIO
     if resume and to_stdout:
@@ -119,13 +125,13 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
     if errors_file is not None:
         raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error column")
     need_engine()
-    from engine.embedding_model import is_embedding_model
+    from sluice.engine.embedding_model import is_embedding_model
 
     if is_embedding_model(model):
         raise UserError("a dataset runs through a generation model; embeddings take JSONL lines")
 
     def make_engine() -> Any:
-        from engine.llm import LLM
+        from sluice.engine.llm import LLM
 
         try:
             return LLM(model, **kwargs)

@@ -12,13 +12,12 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
-
-from jobs.schemas import SamplingParams
-from jobs.units import parse_duration, parse_size
+from sluice.jobs.schemas import SamplingParams
+from sluice.jobs.units import parse_duration, parse_size
 
 
 class Parsed(click.ParamType):
-    """A value written as text and parsed by one of ``jobs.units``' parsers (as the API and the settings
+    """A value written as text and parsed by one of ``sluice.jobs.units``' parsers (as the API and the settings
     parse it), its ValueError a usage error."""
 
     def __init__(self, name: str, parse: Callable[[str], Any]) -> None:

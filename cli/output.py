@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import click
-
-from jobs.jsonl import values_in
-from jobs.openai_output import line_error_to_output_line, result_to_output_line
-from jobs.schemas import LineErrorInfo, Result
+from sluice.jobs.jsonl import values_in
+from sluice.jobs.openai_output import line_error_to_output_line, result_to_output_line
+from sluice.jobs.schemas import LineErrorInfo, Result
 
 STDIO = "-"  # as a file name: stdin for an input, stdout for an output
 

@@ -1,12 +1,12 @@
-"""How a batch's progress reads in a terminal; the rates themselves are ``jobs.rates``'s (the dashboard's too)."""
+"""How a batch's progress reads in a terminal; the rates themselves are ``sluice.jobs.rates``'s (the dashboard's too)."""
 
 from __future__ import annotations
 
 import time
 from datetime import datetime
 
-from jobs.rates import Rates, duration, rates
-from jobs.schemas import Batch
+from sluice.jobs.rates import Rates, duration, rates
+from sluice.jobs.schemas import Batch
 
 __all__ = ["Rates", "duration", "rates", "status_text", "when"]
 

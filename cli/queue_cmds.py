@@ -15,9 +15,7 @@ from typing import Any
 
 import click
 import redis
-from tqdm import tqdm
-
-from cli.common import (
+from sluice.cli.common import (
     EXIT_SOME_FAILED,
     UserError,
     interrupted,
@@ -26,15 +24,15 @@ from cli.common import (
     open_server,
     require_batch,
 )
-from cli.dataset_queue import results_dataset, submit_dataset
-from cli.datasets import InputArg, RowFlags, UsageLine, wants_dataset, with_row_options
-from cli.options import DURATION, sampling_defaults, with_sampling_options
-from cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
-from cli.progress import rates, status_text
-from jobs import keys
-from jobs.lines import first_model
-from jobs.schemas import Batch, SamplingParams
-from jobs.store import (
+from sluice.cli.dataset_queue import results_dataset, submit_dataset
+from sluice.cli.datasets import InputArg, RowFlags, UsageLine, wants_dataset, with_row_options
+from sluice.cli.options import DURATION, sampling_defaults, with_sampling_options
+from sluice.cli.output import STDIO, ResultFiles, default_errors_path, default_output_path, echo_line
+from sluice.cli.progress import rates, status_text
+from sluice.jobs import keys
+from sluice.jobs.lines import first_model
+from sluice.jobs.schemas import Batch, SamplingParams
+from sluice.jobs.store import (
     cancel_batch,
     get_batch,
     get_line_errors,
@@ -43,7 +41,8 @@ from jobs.store import (
     recent_results,
     served_queues,
 )
-from jobs.submit import UnknownModel, resolve_model, submit
+from sluice.jobs.submit import UnknownModel, resolve_model, submit
+from tqdm import tqdm
 
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print the batch object in OpenAI's shape, one JSON object per line.")

@@ -13,8 +13,7 @@ from typing import Any
 
 import click
 import redis
-
-from cli.common import (
+from sluice.cli.common import (
     ServerDown,
     UserError,
     job_server_errors,
@@ -23,11 +22,11 @@ from cli.common import (
     open_server,
     server_name,
 )
-from cli.options import engine_kwargs, env_option, with_engine_options
-from jobs.connection import EmbeddedServer, stop_server
-from jobs.keys import parse_lora_module
-from jobs.settings import load
-from jobs.store import served_queues
+from sluice.cli.options import engine_kwargs, env_option, with_engine_options
+from sluice.jobs.connection import EmbeddedServer, stop_server
+from sluice.jobs.keys import parse_lora_module
+from sluice.jobs.settings import load
+from sluice.jobs.store import served_queues
 
 worker_options = [
     env_option("--queue", envvar="SLUICE_QUEUE", default=None, help="The model name clients ask for [default: the "
@@ -77,7 +76,7 @@ def with_lora_options(f: Any) -> Any:
 
 
 def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
-    from worker import run_worker  # torch and the engine load only for the commands that run one
+    from sluice.worker import run_worker  # torch and the engine load only for the commands that run one
 
     try:
         return run_worker(model, **opts, **engine)
@@ -122,9 +121,8 @@ def serve_cmd(host: str, port: int, log_level: str) -> None:
 
     SLUICE_API_KEY, when set, is the bearer token every /v1 request needs."""
     import uvicorn
-
-    from api.app import create_app
-    from api.settings import Settings
+    from sluice.api.app import create_app
+    from sluice.api.settings import Settings
 
     load(Settings)  # a bad SLUICE_* value is one line now, not a traceback from uvicorn's factory call
     _check_job_server()
@@ -167,8 +165,7 @@ class ApiThread:
 
     def __init__(self, sock: socket.socket, log_level: str = "warning") -> None:
         import uvicorn
-
-        from api.app import create_app
+        from sluice.api.app import create_app
 
         self.sock = sock
         self.server = uvicorn.Server(uvicorn.Config(create_app, factory=True, log_level=log_level))

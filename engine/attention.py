@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-
-from engine.huge_pages import zeros_huge
+from sluice.engine.huge_pages import zeros_huge
 
 
 @dataclass

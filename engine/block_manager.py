@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from sluice.engine.sequence import Sequence
 
 
 @dataclass

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from engine.sequence import Sequence
+from sluice.engine.sequence import Sequence
 
 
 @dataclass

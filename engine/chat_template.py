@@ -8,7 +8,7 @@ import functools
 import inspect
 from typing import Any
 
-from engine.outputs import Request
+from sluice.engine.outputs import Request
 
 
 def render_chat(tokenizer: Any, request: Request) -> list[int]:

@@ -8,8 +8,7 @@ batch of a hundred and more that copy, not the model's matmuls, was most of a de
 from __future__ import annotations
 
 import torch
-
-from engine.attention import AttentionMetadata, BackendCapabilities, head_major
+from sluice.engine.attention import AttentionMetadata, BackendCapabilities, head_major
 
 
 class CpuPagedAttention:
@@ -36,7 +35,7 @@ class CpuPagedAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        from kernels.cpu_ops import paged_attention, store_kv
+        from sluice.kernels.cpu_ops import paged_attention, store_kv
 
         k_hm, v_hm = head_major(k_cache), head_major(v_cache)
         store_kv(k, v, k_hm, v_hm, meta.slot_mapping)

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine import linear, tuning_cache
+from sluice.engine import linear, tuning_cache
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ def _layer_shape(config: Any) -> list[Any]:
 def _attention_build() -> str:
     """The attention op's build name: a hash of its sources, flags and CPU (a faster kernel may tip the
     balance between the dtypes)."""
-    from kernels.cpu_ops import build_name
+    from sluice.kernels.cpu_ops import build_name
 
     try:
         return build_name()
@@ -140,7 +139,7 @@ def _decode_layer(config: Any, dtype: torch.dtype, impl: str) -> Callable[[], No
 
 
 def _attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Callable[[], None]:
-    from kernels.cpu_ops import available, paged_attention
+    from sluice.kernels.cpu_ops import available, paged_attention
 
     if not available()[0]:
         return lambda: None

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.embedding_model import EmbeddingModel, load_embedding_model
-from engine.intake import Intake
-from engine.outputs import Timings
-from engine.pooling import finish_vector
-from engine.pooling_runner import Item, LengthPool, run_batch
+from sluice.engine.embedding_model import EmbeddingModel, load_embedding_model
+from sluice.engine.intake import Intake
+from sluice.engine.outputs import Timings
+from sluice.engine.pooling import finish_vector
+from sluice.engine.pooling_runner import Item, LengthPool, run_batch
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ class _RequestState:
 class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
     """``EmbeddingEngine(model, **config)``: see ``EmbeddingConfig`` for the settings."""
 
-    serves = "embedding"  # engine.llm.LLM serves generation (a worker's heartbeat says which)
+    serves = "embedding"  # sluice.engine.llm.LLM serves generation (a worker's heartbeat says which)
 
     def __init__(self, model: str, **config: Any) -> None:
         super().__init__()

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine import omp_spin
-from engine.encoder_attention import pick_attention, sequence_lengths
-from engine.encoder_linear import use_encoder_cpu_linear
-from engine.models.base import UnsupportedModelError
-from engine.pooling import (
+from sluice.engine import omp_spin
+from sluice.engine.encoder_attention import pick_attention, sequence_lengths
+from sluice.engine.encoder_linear import use_encoder_cpu_linear
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.pooling import (
     PoolingConfig,
     default_pooling,
     is_sentence_transformers_dir,

@@ -60,7 +60,7 @@ def encoder_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if not _op_fits(module, query, key, value, lengths, dropout, is_causal, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    from kernels.cpu_ops import encoder_attention
+    from sluice.kernels.cpu_ops import encoder_attention
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -101,7 +101,7 @@ def _why_not(config: Any, device: torch.device, dtype: torch.dtype) -> str:
         return f"the op runs float32 on the CPU, not {dtype} on {device.type}"
     if getattr(config, "is_decoder", False) or not hasattr(config, "num_attention_heads"):
         return "not an encoder"
-    from kernels import cpu_ops
+    from sluice.kernels import cpu_ops
 
     ok, why = cpu_ops.available()
     if not ok:

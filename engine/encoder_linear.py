@@ -12,9 +12,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from sluice.engine.linear import PackedLinear, install, onednn_supports
 from torch import nn
-
-from engine.linear import PackedLinear, install, onednn_supports
 
 log = logging.getLogger(__name__)
 

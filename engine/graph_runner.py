@@ -21,11 +21,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.base import CausalLM
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from sluice.engine.attention import AttentionBackend, AttentionMetadata
+from sluice.engine.models.base import CausalLM
+from sluice.engine.scheduler import ScheduledBatch
+from sluice.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,8 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
 
 CACHE_SIZE = 512  # compiled grammars kept per engine
 

@@ -1,4 +1,4 @@
-"""What both engines' front doors (engine.llm.LLM, engine.embedding_engine.EmbeddingEngine) share: the
+"""What both engines' front doors (sluice.engine.llm.LLM, sluice.engine.embedding_engine.EmbeddingEngine) share: the
 requests in flight by id, and those refused at the door, handed back by the next ``step()`` as error
 outputs so that a bad request fails alone."""
 

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from sluice.engine import tuning_cache
+from sluice.engine.config import CPU_LINEAR
 from torch import nn
-
-from engine import tuning_cache
-from engine.config import CPU_LINEAR
 
 log = logging.getLogger(__name__)
 

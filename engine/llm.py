@@ -11,15 +11,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-
-from engine.block_manager import BlockManager
-from engine.chat_template import render_chat
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GuidedDecoding
-from engine.intake import Intake
-from engine.linear import use_cpu_linear
-from engine.loader import (
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.chat_template import render_chat
+from sluice.engine.config import EngineConfig
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.guided import GuidedDecoding
+from sluice.engine.intake import Intake
+from sluice.engine.linear import use_cpu_linear
+from sluice.engine.loader import (
     ModelSource,
     check_decoder_only,
     dense_path,
@@ -28,19 +27,19 @@ from engine.loader import (
     load_tokenizer,
     resolve_model,
 )
-from engine.lora.manager import LoraManager
-from engine.model_runner import ModelRunner
-from engine.models.base import CausalLM
-from engine.models.native_load import load_native
-from engine.models.select import build_model
-from engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
-from engine.quant.checkpoint import read_weight_scales
-from engine.quant.int8 import quantize_linears
-from engine.quant.methods import pick_impl, plan_quantization
-from engine.reasoning import attach_thinking, find_parser, split_output
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.startup_clock import StartupClock
+from sluice.engine.lora.manager import LoraManager
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.models.base import CausalLM
+from sluice.engine.models.native_load import load_native
+from sluice.engine.models.select import build_model
+from sluice.engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
+from sluice.engine.quant.checkpoint import read_weight_scales
+from sluice.engine.quant.int8 import quantize_linears
+from sluice.engine.quant.methods import pick_impl, plan_quantization
+from sluice.engine.reasoning import attach_thinking, find_parser, split_output
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.sequence import Sequence
+from sluice.engine.startup_clock import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class LLM(Intake[_RequestState, Completion]):
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         if self.config.tensor_parallel_size > 1:
-            from engine.parallel.build import check_supported, driver_device
+            from sluice.engine.parallel.build import check_supported, driver_device
 
             check_supported(self.model_impl, self.hf_config, self.config.tensor_parallel_size)
             self.device = driver_device(self.device)
@@ -101,7 +100,7 @@ class LLM(Intake[_RequestState, Completion]):
             count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
             log.info("int8 weight-only: %d linear layers (%s scales)", count, "checkpoint" if scales else "absmax")
         if self.config.tensor_parallel_size > 1:
-            from engine.parallel.build import start_tensor_parallel
+            from sluice.engine.parallel.build import start_tensor_parallel
 
             net = start_tensor_parallel(net, src, self.config, self.hf_config, self.model_impl, self.dtype, self.device, max_len)
         clock.lap("build")
@@ -366,7 +365,7 @@ def _pick_dtype(name: str, device: torch.device, config: Any, cpu_linear: str) -
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}") from None
     if device.type == "cuda":
         return torch.bfloat16
-    from engine.cpu_dtype import pick_cpu_dtype
+    from sluice.engine.cpu_dtype import pick_cpu_dtype
 
     dtype, why = pick_cpu_dtype(config, cpu_linear)
     log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.models.base import UnsupportedModelError
+from sluice.engine.models.base import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +235,8 @@ def _plain_config(path: Path) -> Any:
 
 def check_decoder_only(config: Any) -> None:
     """Refuse, before any weight is read, what no model path can run."""
+    from sluice.engine.models.select import TESTED_TRANSFORMERS
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from engine.models.select import TESTED_TRANSFORMERS
 
     kind = config.model_type
     tested = f"decoder-only models transformers can load (tested: {', '.join(TESTED_TRANSFORMERS)})"

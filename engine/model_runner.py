@@ -9,23 +9,28 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec, TorchAttention, allocate_kv
-from engine.block_table import BlockTableRows
-from engine.config import EngineConfig
-from engine.graph_runner import DecodeGraphRunner
-from engine.guided import apply_guided_masks
-from engine.lora.batch import adapter_order
-from engine.lora.manager import LoraManager
-from engine.models.base import CausalLM
-from engine.outputs import TokenLogprob
-from engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
-from engine.quant.weight_bytes import weight_bytes
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from engine.triton_attention import TritonAttention
+from sluice.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVSpec,
+    TorchAttention,
+    allocate_kv,
+)
+from sluice.engine.block_table import BlockTableRows
+from sluice.engine.config import EngineConfig
+from sluice.engine.graph_runner import DecodeGraphRunner
+from sluice.engine.guided import apply_guided_masks
+from sluice.engine.lora.batch import adapter_order
+from sluice.engine.lora.manager import LoraManager
+from sluice.engine.models.base import CausalLM
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
+from sluice.engine.quant.weight_bytes import weight_bytes
+from sluice.engine.sampler import sample
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import ScheduledBatch
+from sluice.engine.sequence import Sequence
+from sluice.engine.triton_attention import TritonAttention
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +267,7 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
         if name == "cpu":
-            from kernels.cpu_ops import available
+            from sluice.kernels.cpu_ops import available
 
             ok, why = available()
             if not ok:
@@ -272,7 +277,7 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
     if name == "triton":
         backend = TritonAttention()
     elif name == "cpu":
-        from engine.cpu_attention import CpuPagedAttention
+        from sluice.engine.cpu_attention import CpuPagedAttention
 
         backend = CpuPagedAttention()
     else:
@@ -288,11 +293,11 @@ def elementwise_kernels(backend: AttentionBackend, device: torch.device) -> Modu
     (and their argmax) beside the C++ attention op, built with it; None (eager PyTorch) beside the fallback."""
     kind = backend.caps.fused_kernels
     if kind == "triton" and device.type == "cuda":  # not under the interpreter: eager ops are the reference there
-        from kernels import fused
+        from sluice.kernels import fused
 
         return fused
     if kind == "cpu":
-        from kernels import cpu_fused
+        from sluice.kernels import cpu_fused
 
         return cpu_fused
     return None

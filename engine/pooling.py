@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.models.base import UnsupportedModelError
+from sluice.engine.models.base import UnsupportedModelError
 
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 _LEGACY_KEYS = {  # sentence-transformers' pre-v6 booleans, in its own order of precedence

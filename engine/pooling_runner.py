@@ -12,8 +12,7 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-
-from engine.embedding_model import EmbeddingModel
+from sluice.engine.embedding_model import EmbeddingModel
 
 
 @dataclass

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.outputs import TokenLogprob
-from engine.sequence import Sequence
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.sequence import Sequence
 
 CHUNK = 256  # rows of logits made at once
 

@@ -1,12 +1,12 @@
 """What a caller of the engine may use (the worker, ``sluice generate``): requests in, completions out,
-and the numbers an admission budget needs. ``engine.llm.LLM`` is the one implementation."""
+and the numbers an admission budget needs. ``sluice.engine.llm.LLM`` is the one implementation."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.config import EngineConfig
-from engine.outputs import Completion, Request
+from sluice.engine.config import EngineConfig
+from sluice.engine.outputs import Completion, Request
 
 
 class Engine(Protocol):

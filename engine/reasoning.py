@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
-from engine.outputs import CompletionOutput, Request
-from engine.sequence import Sequence
+from sluice.engine.outputs import CompletionOutput, Request
+from sluice.engine.sequence import Sequence
 
 # vLLM's parser names for the delimiter pairs they use.
 PARSERS: dict[str, tuple[str, str]] = {

@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine.counter_rng import exponential, row_key, uniform
-from engine.outputs import TokenLogprob
-from engine.sequence import Sequence
+from sluice.engine.counter_rng import exponential, row_key, uniform
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.sequence import Sequence
 
 
 @dataclass

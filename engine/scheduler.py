@@ -17,10 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.guided import advance_guide
-from engine.sequence import Sequence, SequenceStatus
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import EngineConfig
+from sluice.engine.guided import advance_guide
+from sluice.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

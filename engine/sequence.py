@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -28,8 +28,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     detok: IncrementalDetokenizer | None = None
-    guide: Any = None  # engine.guided.Guide when the request asks for structured output
-    think: Any = None  # engine.reasoning.ThinkState for a chat request to a reasoning model
+    guide: Any = None  # sluice.engine.guided.Guide when the request asks for structured output
+    think: Any = None  # sluice.engine.reasoning.ThinkState for a chat request to a reasoning model
     lora: str | None = None  # the LoRA adapter's name; None: the base model
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -6,8 +6,7 @@ The kernels are imported on first use, so importing the engine never needs trito
 from __future__ import annotations
 
 import torch
-
-from engine.attention import AttentionMetadata, BackendCapabilities
+from sluice.engine.attention import AttentionMetadata, BackendCapabilities
 
 
 class TritonAttention:
@@ -38,8 +37,8 @@ class TritonAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        from kernels.kv_write import store_kvcache
-        from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+        from sluice.kernels.kv_write import store_kvcache
+        from sluice.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

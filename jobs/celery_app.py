@@ -5,7 +5,7 @@ Here a task only forwards: ``sluice.generate`` queues one job into the Sluice st
 result (a blocking XREAD the writer's XADD wakes), on a Celery worker with a threads or gevent pool
 and high concurrency, while the GPU worker keeps batching from the stream::
 
-    celery -A jobs.celery_app worker --pool threads --concurrency 64
+    celery -A sluice.jobs.celery_app worker --pool threads --concurrency 64
 
 Tasks: ``sluice.generate``, ``sluice.submit_batch`` (optionally with a signature sent once the batch
 ends, to chain pipeline stages) and ``sluice.housekeep`` (also a beat schedule entry). Broker and
@@ -35,14 +35,13 @@ from celery.result import AsyncResult
 from celery.signals import task_revoked
 from celery.worker import state as worker_state
 from kombu.exceptions import OperationalError
-
-from jobs import keys
-from jobs.connection import connect, is_cluster_url, redis_url
-from jobs.housekeeping import RESULTS_TTL, housekeep_if_due
-from jobs.lines import LineError, first_model, parse_line
-from jobs.schemas import Result, SamplingParams
-from jobs.store import await_result, cancel_batch, delete_batch
-from jobs.submit import DEFAULT_WINDOW, resolve_model, submit
+from sluice.jobs import keys
+from sluice.jobs.connection import connect, is_cluster_url, redis_url
+from sluice.jobs.housekeeping import RESULTS_TTL, housekeep_if_due
+from sluice.jobs.lines import LineError, first_model, parse_line
+from sluice.jobs.schemas import Result, SamplingParams
+from sluice.jobs.store import await_result, cancel_batch, delete_batch
+from sluice.jobs.submit import DEFAULT_WINDOW, resolve_model, submit
 
 log = logging.getLogger(__name__)
 

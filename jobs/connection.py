@@ -27,9 +27,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
-
-from jobs import aof
-from jobs.settings import job_plane
+from sluice.jobs import aof
+from sluice.jobs.settings import job_plane
 
 ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"

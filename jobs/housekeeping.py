@@ -9,13 +9,12 @@ import time
 from dataclasses import dataclass
 
 import redis
-
-from jobs import keys
-from jobs.consumer.commands import restore_ready
-from jobs.schemas import FINAL_BATCH_STATUSES
-from jobs.scripts import Scripts, expire_due
-from jobs.store import delete_batch, expire_batch, priorities, retire_batch
-from jobs.submit import seal
+from sluice.jobs import keys
+from sluice.jobs.consumer.commands import restore_ready
+from sluice.jobs.schemas import FINAL_BATCH_STATUSES
+from sluice.jobs.scripts import Scripts, expire_due
+from sluice.jobs.store import delete_batch, expire_batch, priorities, retire_batch
+from sluice.jobs.submit import seal
 
 log = logging.getLogger(__name__)
 

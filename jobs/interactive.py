@@ -26,11 +26,10 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncCluster
-
-from jobs import keys
-from jobs.connection import is_cluster_url, redis_url
-from jobs.schemas import Result
-from jobs.store import cancel_batch, delete_batch
+from sluice.jobs import keys
+from sluice.jobs.connection import is_cluster_url, redis_url
+from sluice.jobs.schemas import Result
+from sluice.jobs.store import cancel_batch, delete_batch
 
 PREFIX = "req_"
 DELTAS_TTL = 3600  # seconds a deltas stream outlives its last append (an API that died leaves it behind)

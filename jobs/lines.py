@@ -13,9 +13,8 @@ from typing import Any
 from pydantic import (
     ValidationError,
 )
-
-from jobs.embeddings import EMBEDDINGS_URL, check_input, parse_embedding_body
-from jobs.schemas import (
+from sluice.jobs.embeddings import EMBEDDINGS_URL, check_input, parse_embedding_body
+from sluice.jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
     GUIDED_FIELDS,

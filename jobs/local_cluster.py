@@ -15,8 +15,7 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from jobs.connection import _free_port
+from sluice.jobs.connection import _free_port
 
 SLOTS = 16384
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.embeddings import decode_base64, embedding_response
-from jobs.keys import DEFAULT_QUEUE
-from jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
+from sluice.jobs.embeddings import decode_base64, embedding_response
+from sluice.jobs.keys import DEFAULT_QUEUE
+from sluice.jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
 
 # ---- rendering a Result as an OpenAI batch output line -----------------------------------------
 _BATCH_ERROR_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}

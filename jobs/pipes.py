@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-
-from jobs.connection import is_cluster
+from sluice.jobs.connection import is_cluster
 
 # Replies that say the client's map of slots to nodes is stale (a resharding, a failover).
 _STALE_MAP = (redis.exceptions.MovedError, redis.exceptions.AskError)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from jobs.schemas import Batch, Result
+from sluice.jobs.schemas import Batch, Result
 
 
 @dataclass

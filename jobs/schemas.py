@@ -40,7 +40,7 @@ MAX_DEADLINE = 1e11  # epoch seconds (year 5138): anything later is a unit mista
 
 
 class SamplingParams(BaseModel):
-    """Mirrors ``engine.sampling_params.SamplingParams`` field for field (the worker maps one onto the other)."""
+    """Mirrors ``sluice.engine.sampling_params.SamplingParams`` field for field (the worker maps one onto the other)."""
 
     # Frozen and hashable: identical settings are validated once and shared by many jobs.
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -149,7 +149,7 @@ class Job(BaseModel):
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's function tools, passed to the chat template
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", ...}
     echo: bool = False  # completions: the prompt's text leads the completion's
-    # embedding jobs (/v1/embeddings): the body's input, checked by jobs.embeddings.check_input
+    # embedding jobs (/v1/embeddings): the body's input, checked by sluice.jobs.embeddings.check_input
     input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)

@@ -12,9 +12,8 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-
-from jobs import keys
-from jobs.schemas import ErrorInfo, Result, ResultTimings
+from sluice.jobs import keys
+from sluice.jobs.schemas import ErrorInfo, Result, ResultTimings
 
 
 class Scripts:

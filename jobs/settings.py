@@ -1,7 +1,7 @@
 """Settings read from ``SLUICE_*`` environment variables, typed and validated in one place (pydantic-settings).
 
 ``JobPlaneSettings`` is what every process that talks to the job server reads (the CLI, the worker,
-the API); the API's own limits extend it in ``api.settings``. The engine's flags are not here: they are
+the API); the API's own limits extend it in ``sluice.api.settings``. The engine's flags are not here: they are
 ``sluice`` options that click also reads from the environment (``SLUICE_MODEL``, ...; see ``--help``).
 A bad value fails with one line naming the variable (``SettingsError``).
 """

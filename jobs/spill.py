@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-
-from jobs import keys
-from jobs.scripts import Scripts, note_spilled
-from jobs.settings import job_plane
+from sluice.jobs import keys
+from sluice.jobs.scripts import Scripts, note_spilled
+from sluice.jobs.settings import job_plane
 
 log = logging.getLogger(__name__)
 

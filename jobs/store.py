@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-
-from jobs import keys, spill
-from jobs.consumer.commands import publish_cancel
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import (
+from sluice.jobs import keys, spill
+from sluice.jobs.consumer.commands import publish_cancel
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import (
     CHAT_URL,
     FINAL_BATCH_STATUSES,
     Batch,
@@ -23,7 +22,7 @@ from jobs.schemas import (
     Result,
     ResultUsage,
 )
-from jobs.scripts import Scripts, results_after, sweep, transition
+from sluice.jobs.scripts import Scripts, results_after, sweep, transition
 
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
           "cancelling_at", "cancelled_at")

@@ -15,16 +15,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-
-from jobs import keys
-from jobs.connection import connect
-from jobs.consumer.commands import mark_ready
-from jobs.embeddings import EMBEDDINGS_URL
-from jobs.lines import LineError, parse_line
-from jobs.pipes import NodePipes
-from jobs.schemas import CHAT_URL, COMPLETIONS_URL, MAX_PRIORITY, Batch, Job, LineErrorInfo, SamplingParams
-from jobs.scripts import Scripts, enqueue, finish, transition
-from jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
+from sluice.jobs import keys
+from sluice.jobs.connection import connect
+from sluice.jobs.consumer.commands import mark_ready
+from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.pipes import NodePipes
+from sluice.jobs.schemas import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MAX_PRIORITY,
+    Batch,
+    Job,
+    LineErrorInfo,
+    SamplingParams,
+)
+from sluice.jobs.scripts import Scripts, enqueue, finish, transition
+from sluice.jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip

@@ -6,9 +6,9 @@ the signature, the specialisations (strides of 1, 16-byte alignment) and the con
 real arguments. Run it without ``TRITON_INTERPRET`` set (``@triton.jit`` picks the interpreter at
 import time)::
 
-    python -m kernels.aot --arch 90            # every case, cubin via the bundled ptxas
-    python -m kernels.aot --arch 90 --stage ptx
-    python -m kernels.aot --with-triton 3.6.0  # the same under another triton (the GPU image's), installed
+    python -m sluice.kernels.aot --arch 90            # every case, cubin via the bundled ptxas
+    python -m sluice.kernels.aot --arch 90 --stage ptx
+    python -m sluice.kernels.aot --with-triton 3.6.0  # the same under another triton (the GPU image's), installed
                                                # once into /tmp/triton-3.6.0 and put ahead of this one
 
 Each line reports the kernel's registers, stack and spills (LOCAL) and its shared memory, per variant.
@@ -78,8 +78,8 @@ def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
     """(name, call) for each configuration whose constexprs differ; the calls only record launches."""
-    from kernels.kv_write import store_kvcache
-    from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+    from sluice.kernels.kv_write import store_kvcache
+    from sluice.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
     # (query heads, KV heads, head_dim, block_size): GQA groups 1/2/3/4/8, head dims 64/128 and Gemma's 256.
     shapes = [(4, 4, 64, 16), (9, 3, 64, 16), (32, 8, 64, 16), (32, 4, 128, 32), (8, 4, 256, 16)]
@@ -113,7 +113,7 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
 
 
 def _fused_cases(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from kernels.fused import apply_rotary, rms_norm, silu_and_mul
+    from sluice.kernels.fused import apply_rotary, rms_norm, silu_and_mul
 
     for hidden in (576, 2048):  # SmolLM2-135M, Llama-3.2-1B
         x, w = _rand(4, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
@@ -224,7 +224,7 @@ def rerun_with_triton(version: str, argv: list[str]) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [target, root, os.environ.get("PYTHONPATH")])))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(target, ".cache"))  # not mixed with the other version's cache
-    return subprocess.run([sys.executable, "-m", "kernels.aot", *argv], env=env).returncode
+    return subprocess.run([sys.executable, "-m", "sluice.kernels.aot", *argv], env=env).returncode
 
 
 def _last_stage(asm: dict[str, Any]) -> str:

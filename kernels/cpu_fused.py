@@ -6,8 +6,7 @@ kernels in ``kernels/fused.py``, so the model takes either set; and greedy sampl
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_ops import load
+from sluice.kernels.cpu_ops import load
 
 # The MLP runs a long prompt step's rows in passes of this many bytes of [rows, 2I] intermediate
 # (engine/models/llama.py): at 4,096 rows SmolLM2's is 50 MB, past a 32 MB L3, and the gate/up GEMM ran

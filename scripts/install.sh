@@ -43,6 +43,6 @@ else
   # Build the C++ CPU attention op now (it is cached) rather than on a worker's first step; without
   # the worker extra (the API's image) there is no torch and no use for it.
   if [[ ",$extras," == *,worker,* ]]; then
-    "$py" -c "from kernels.cpu_ops import available; ok, why = available(); print('C++ CPU attention:', 'built' if ok else 'unavailable, ' + why)"
+    "$py" -c "from sluice.kernels.cpu_ops import available; ok, why = available(); print('C++ CPU attention:', 'built' if ok else 'unavailable, ' + why)"
   fi
 fi

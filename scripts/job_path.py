@@ -107,11 +107,11 @@ def main() -> None:
     os.environ.pop("SLUICE_REDIS_URL", None)
     model = args.model or importlib.import_module("helpers").make_tiny_model(home / "model", seed=0)
 
-    conn = importlib.import_module("jobs.connection" if (tree / "jobs" / "connection.py").exists() else "jobs.server")
-    from engine.llm import LLM
-    from jobs.submit import submit
-    from worker.options import WorkerOptions
-    from worker.worker import Worker
+    conn = importlib.import_module("sluice.jobs.connection" if (tree / "jobs" / "connection.py").exists() else "jobs.server")
+    from sluice.engine.llm import LLM
+    from sluice.jobs.submit import submit
+    from sluice.worker.options import WorkerOptions
+    from sluice.worker.worker import Worker
 
     conn.ensure_server(home)
     r = conn.connect()

@@ -17,7 +17,16 @@ Needs the ``datasets`` extra; ``generate`` also the ``worker`` extra (the engine
 
 from __future__ import annotations
 
-from sluice.batch import Batch, submit
-from sluice.generate import generate
+from pathlib import Path as _Path
+
+# In an install, sluice.engine, sluice.jobs, ... lie in this folder (pyproject.toml's package-dir mapping).
+# A source checkout that is not installed (the GPU machine's copy, a script run from the checkout with
+# another Python) has them beside it instead: look there too.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "engine").exists() and (_checkout / "engine" / "__init__.py").exists():
+    __path__.append(str(_checkout))
+
+from sluice.batch import Batch, submit  # noqa: E402 - after the path above
+from sluice.generate import generate  # noqa: E402
 
 __all__ = ["Batch", "generate", "submit"]

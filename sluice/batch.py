@@ -9,11 +9,11 @@ from typing import Any
 
 import redis
 
-from jobs.datasets import RowError, RowSpec, Source, WriteSummary
-from jobs.datasets.queue import join_results, submit_rows
-from jobs.schemas import Batch as BatchStatus
-from jobs.store import cancel_batch, get_batch, output_lines
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
+from sluice.jobs.datasets import RowError, RowSpec, Source, WriteSummary
+from sluice.jobs.datasets.queue import join_results, submit_rows
+from sluice.jobs.schemas import Batch as BatchStatus
+from sluice.jobs.store import cancel_batch, get_batch, output_lines
 
 
 class Batch:
@@ -114,7 +114,7 @@ def submit(data: Data, *, model: str | None = None, prompt_column: str | None = 
     """Queue every row of ``data`` (see ``sluice.generate`` for the row options) on the job server
     (SLUICE_REDIS_URL, or the embedded one); returns the Batch at once, before any result. Rows that
     do not render are not queued: ``Batch.row_errors`` says why, and the joined results carry them."""
-    from jobs.connection import connect
+    from sluice.jobs.connection import connect
 
     source = source_of(data, storage_options)
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from jobs.datasets import ResultsWriter, RowSpec, Source, open_data, open_source
-from jobs.schemas import SamplingParams
+from sluice.jobs.datasets import ResultsWriter, RowSpec, Source, open_data, open_source
+from sluice.jobs.schemas import SamplingParams
 
 # Accepted as ``data``: rows in memory, or where a dataset is.
 Data = Any  # list[dict] | pandas.DataFrame | polars.DataFrame | pyarrow.Table | datasets.Dataset | str | os.PathLike

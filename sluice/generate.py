@@ -25,14 +25,14 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     column. ``system`` leads each chat; ``id_column`` names rows (default: row number). Keyword
     sampling settings (``max_tokens=64, temperature=0.7``) apply to every row; columns named like them
     set their own row's. ``resume`` (with ``output``) skips rows a killed run already wrote.
-    ``llm`` reuses a loaded ``engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options``
+    ``llm`` reuses a loaded ``sluice.engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options``
     (LLM keyword arguments). ``storage_options`` go to fsspec for a URL ``data`` and ``output``
     (``{"endpoint_url": ...}`` for an S3-compatible store).
     """
     source = source_of(data, storage_options)
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
     defaults = sampling_defaults(sampling)
-    from worker.generate_rows import generate_rows  # the engine side: torch only when generating
+    from sluice.worker.generate_rows import generate_rows  # the engine side: torch only when generating
 
     with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
         summary = generate_rows(source, spec, writer, lambda: llm if llm is not None else _llm(model, engine_options),
@@ -41,6 +41,6 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
 
 
 def _llm(model: str | None, engine_options: dict[str, Any] | None) -> Any:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     return LLM(model, **(engine_options or {}))

@@ -12,8 +12,8 @@ import json
 import os
 from typing import Any
 
-from jobs import keys
-from jobs.celery_app import _redis, app
+from sluice.jobs import keys
+from sluice.jobs.celery_app import _redis, app
 
 FIRED = "test:celery:fired"
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 from jobs_helpers import ThreadWorker, wait_for
-
-from jobs.connection import ENV_HOME, ENV_URL, ensure_server, stop_server
+from sluice.jobs.connection import ENV_HOME, ENV_URL, ensure_server, stop_server
 
 SLUICE = str(Path(sys.executable).with_name("sluice"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +42,7 @@ def sluice_home(path: Path) -> Iterator[Path]:
 @contextmanager
 def tiny_worker(model_dir: Path, queue: str = "tiny", **opts: Any) -> Iterator[ThreadWorker]:
     """A worker on the tiny model in a thread of the test process, serving ``queue``."""
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory=8 << 20)
     w = ThreadWorker(llm, queue=queue, **opts)

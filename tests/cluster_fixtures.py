@@ -1,4 +1,4 @@
-"""Fixtures of the cluster tests: a real 3-primary Valkey Cluster on loopback (``jobs.local_cluster``),
+"""Fixtures of the cluster tests: a real 3-primary Valkey Cluster on loopback (``sluice.jobs.local_cluster``),
 one per test module, every node killed at the end; loaded with ``pytest_plugins = ["cluster_fixtures"]``."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from jobs.connection import ENV_HOME, ENV_URL, connect
-from jobs.local_cluster import LocalCluster
+from sluice.jobs.connection import ENV_HOME, ENV_URL, connect
+from sluice.jobs.local_cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,17 @@ import gc
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 # Triton kernels run under the interpreter on CPU; this must be set before any kernel is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# `python -m pytest` puts the checkout on sys.path, where engine/, kernels/, ... would import as top-level
+# packages: transformers' `import kernels` (Hugging Face's package) would get ours. The suite imports
+# Sluice as installed, sluice.*, only.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,7 +53,7 @@ def no_server_in_the_session_home() -> Iterator[None]:
     """A test that needs a job server sets its own SLUICE_HOME; one left running in the session's names
     the test that started it (a server in the user's data directory, before the session set its own)."""
     yield
-    from jobs.connection import find_server, stop_server
+    from sluice.jobs.connection import find_server, stop_server
 
     found = find_server(SESSION_HOME)
     if found is not None:
@@ -134,8 +141,7 @@ if os.environ.get("SLUICE_TEST_RSS") == "1":
 
     def _alive() -> str:
         import torch
-
-        from engine.llm import LLM
+        from sluice.engine.llm import LLM
 
         gc.collect()
         engines, storages = 0, {}

@@ -14,11 +14,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
-
-from jobs.datasets import Request, ResultsWriter, RowError, RowSpec, open_source, read_requests
-from jobs.datasets.results import result_columns
-from jobs.lines import parse_line
-from jobs.schemas import Job
+from sluice.jobs.datasets import Request, ResultsWriter, RowError, RowSpec, open_source, read_requests
+from sluice.jobs.datasets.results import result_columns
+from sluice.jobs.lines import parse_line
+from sluice.jobs.schemas import Job
 
 WORDS = ["river", "lamp", "ünïcode", "{braces}", "quote\"d", "tab\there", "naïve", "42", "line\nbreak", "日本"]
 SPEC = RowSpec(template="Summarise: {text}", system="Be brief.", id_column="id")

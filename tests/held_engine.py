@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from engine.llm import LLM
-from engine.outputs import Completion
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion
 
 
 class HeldLLM(LLM):

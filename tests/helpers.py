@@ -40,7 +40,7 @@ def smollm2_tokenizer() -> Any:
     carried = os.environ.get("SLUICE_TEST_TOKENIZER")
     if carried:
         return AutoTokenizer.from_pretrained(carried)
-    from engine.loader import DEFAULT_MODEL, resolve_model
+    from sluice.engine.loader import DEFAULT_MODEL, resolve_model
 
     src = resolve_model(DEFAULT_MODEL)
     return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from jobs.connection import ENV_HOME, ENV_URL, connect, ensure_server, stop_server
+from sluice.jobs.connection import ENV_HOME, ENV_URL, connect, ensure_server, stop_server
 
 
 @pytest.fixture

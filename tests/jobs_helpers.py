@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-from jobs import keys
-from jobs.schemas import Result
-from jobs.store import pending_under
+from sluice.jobs import keys
+from sluice.jobs.schemas import Result
+from sluice.jobs.store import pending_under
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +67,7 @@ class ThreadWorker:
     """A Worker running in a thread of the test process."""
 
     def __init__(self, llm: Any, **opts: Any) -> None:
-        from worker.worker import Worker, WorkerOptions
+        from sluice.worker.worker import Worker, WorkerOptions
 
         opts.setdefault("queue", "tiny")
         opts.setdefault("heartbeat_ttl", 2.0)
@@ -97,10 +96,10 @@ class ThreadWorker:
 
 def worker_process(model_dir: Path, worker_id: str, *args: str, log: Path | None = None,
                    paced: bool = False) -> subprocess.Popen:
-    """``python -m worker`` on the tiny model, in the test's SLUICE_HOME (from the environment). ``paced``:
+    """``python -m sluice.worker`` on the tiny model, in the test's SLUICE_HOME (from the environment). ``paced``:
     every engine step takes at least tests/paced.py's PACE, so the batch is still running when the test
     acts on the worker, on any machine."""
-    entry = [str(ROOT / "tests" / "paced.py"), "worker"] if paced else ["-m", "worker"]
+    entry = [str(ROOT / "tests" / "paced.py"), "sluice.worker"] if paced else ["-m", "sluice.worker"]
     cmd = [sys.executable, *entry, "--model", str(model_dir), "--queue", "tiny", "--dtype", "float32",
            "--worker-id", worker_id, "--heartbeat-ttl", "2", *args]
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
@@ -124,7 +123,7 @@ def kill_9_mid_batch(r: redis.Redis, batch_id: str, total: int, fracs: tuple[flo
 
 def finish_with(r: redis.Redis, batch_id: str, p: subprocess.Popen, log: Path, timeout: float) -> None:
     """Worker ``p`` (started with --exit-when-idle) finishes the batch, then exits cleanly."""
-    from jobs.store import get_batch
+    from sluice.jobs.store import get_batch
 
     try:
         wait_for(lambda: get_batch(r, batch_id).is_final, timeout, "the batch to finish")

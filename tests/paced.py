@@ -2,21 +2,18 @@
 (a signal, a kill -9 part-way, a page read mid-batch) holds on any machine, however fast it runs the tiny
 model: the batch's progress is bounded by the clock (1,000 tokens take 20 s or more).
 
-In a test's own process: ``PacedLLM``. In a subprocess: ``python tests/paced.py worker --model ...`` runs
-``python -m worker --model ...`` with every engine paced."""
+In a test's own process: ``PacedLLM``. In a subprocess: ``python tests/paced.py sluice.worker --model ...`` runs
+``python -m sluice.worker --model ...`` with every engine paced."""
 
 from __future__ import annotations
 
 import runpy
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import Completion  # noqa: E402
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion
 
 PACE = 50.0  # engine steps a second at the most
 

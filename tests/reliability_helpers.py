@@ -8,10 +8,9 @@ from typing import Any
 
 import redis
 from jobs_helpers import ThreadWorker, wait_for
-
-from engine.llm import LLM
-from jobs import keys
-from jobs.store import get_batch
+from sluice.engine.llm import LLM
+from sluice.jobs import keys
+from sluice.jobs.store import get_batch
 
 
 def tiny(model_dir: Path, cls: type = LLM, **kw: Any) -> Any:

@@ -16,10 +16,9 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 from helpers import fresh_seed
-
-from cli.main import cli
-from jobs import aof
-from jobs.connection import connect, data_dir, ensure_server, stop_server
+from sluice.cli.main import cli
+from sluice.jobs import aof
+from sluice.jobs.connection import connect, data_dir, ensure_server, stop_server
 
 pytest_plugins = ["jobs_fixtures"]
 

@@ -30,9 +30,8 @@ from helpers import fresh_seed
 from jobs_helpers import wait_for
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-
-from api.app import create_app
-from api.settings import Settings
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
 
 KEY = "sk-sluice-test"
 
@@ -296,7 +295,7 @@ def test_batch_objects_parse_with_the_openai_types(live: Live) -> None:
 
 
 def test_expired_files_are_deleted(tmp_path: Path) -> None:
-    from api.filestore import FileStore
+    from sluice.api.filestore import FileStore
 
     store = FileStore(tmp_path)
     tmp = tmp_path / "upload"

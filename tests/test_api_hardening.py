@@ -18,12 +18,11 @@ import redis
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
 from jobs_helpers import wait_for
-
-from api.app import create_app
-from api.settings import Settings
-from api.validation import max_line_bytes
-from jobs.connection import connect, ensure_server, stop_server
-from jobs.submit import submit
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
+from sluice.api.validation import max_line_bytes
+from sluice.jobs.connection import connect, ensure_server, stop_server
+from sluice.jobs.submit import submit
 
 KEY = "sk-hardening"
 BOUNDARY = "sluiceboundary"

@@ -15,9 +15,8 @@ import schemathesis
 from cli_api_helpers import sluice_home
 from hypothesis import HealthCheck, seed, settings
 from schemathesis.checks import not_a_server_error
-
-from api.app import create_app
-from api.settings import Settings
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
 
 KEY = "sk-schema"
 # Seeded so a failure replays: SLUICE_TEST_SEED=<printed seed>.

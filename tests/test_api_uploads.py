@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
-
-from api.app import create_app
-from api.settings import Settings
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
 
 BOUNDARY = "sluiceboundary"
 

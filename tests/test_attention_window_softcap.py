@@ -12,11 +12,10 @@ import random
 import pytest
 import torch
 from helpers import fresh_seed
-
-from engine.attention import AttentionMetadata, TorchAttention, allocate_kv
-from engine.triton_attention import TritonAttention
-from kernels.paged_attention import paged_decode_attention
-from kernels.reference import paged_attention_reference, relative_error
+from sluice.engine.attention import AttentionMetadata, TorchAttention, allocate_kv
+from sluice.engine.triton_attention import TritonAttention
+from sluice.kernels.paged_attention import paged_decode_attention
+from sluice.kernels.reference import paged_attention_reference, relative_error
 
 BLOCK, HKV, GROUP, D = 16, 2, 3, 32
 OPTIONS = [

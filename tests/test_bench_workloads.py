@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from engine.loader import load_tokenizer
+from sluice.engine.loader import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

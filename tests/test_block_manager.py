@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 from helpers import fresh_seed
-
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
 
 
 def _seq(i: int, tokens: list[int]) -> Sequence:
@@ -74,7 +73,7 @@ def test_allocation_fails_cleanly_when_full() -> None:
 def test_block_table_rows_follow_growth_replacement_and_departures() -> None:
     """Rows mirror each scheduled sequence's table: appended blocks are copied in, a replaced table
     (preemption, re-admission) is rewritten whole, and a departed sequence's row is reused."""
-    from engine.block_table import BlockTableRows
+    from sluice.engine.block_table import BlockTableRows
 
     rng = random.Random(fresh_seed())
     rows = BlockTableRows(capacity=2, width=2)

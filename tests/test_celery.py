@@ -35,13 +35,13 @@ from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, wait_f
 # The tasks by module, not by name: pytest's collection reads attributes of this module's names, which
 # evaluates Celery's task proxies, then its config, and so started an embedded server (in the user's data
 # directory, before the session had its own SLUICE_HOME) that nothing stopped.
-from jobs import celery_app as tasks
-from jobs import keys
-from jobs.celery_app import GenerationTimeout, _redis, app, batch_id_for
-from jobs.connection import connect, redis_url
-from jobs.scripts import Scripts, sweep, transition
-from jobs.store import cancel_batch, get_batch, queue_depth, retire_batch
-from jobs.submit import submit
+from sluice.jobs import celery_app as tasks
+from sluice.jobs import keys
+from sluice.jobs.celery_app import GenerationTimeout, _redis, app, batch_id_for
+from sluice.jobs.connection import connect, redis_url
+from sluice.jobs.scripts import Scripts, sweep, transition
+from sluice.jobs.store import cancel_batch, get_batch, queue_depth, retire_batch
+from sluice.jobs.submit import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -61,7 +61,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The module's SLUICE_HOME and embedded Valkey, with a Celery worker serving jobs.celery_app."""
+    """The module's SLUICE_HOME and embedded Valkey, with a Celery worker serving sluice.jobs.celery_app."""
     tmp = tmp_path_factory.mktemp("celery")
     with sluice_home(tmp / "home"):
         _redis.cache_clear()  # this process's client follows the module's server
@@ -82,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _start_celery(node: str, log: Path, tmp: Path) -> subprocess.Popen:
-    cmd = [CELERY, "-A", "jobs.celery_app", "worker", "--pool", "threads", "--concurrency", "64",
+    cmd = [CELERY, "-A", "sluice.jobs.celery_app", "worker", "--pool", "threads", "--concurrency", "64",
            "--include", "celery_stages,pipeline", "--without-mingle", "--without-gossip", "--hostname", node,
            "--loglevel", "INFO"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp)])}
@@ -112,7 +112,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextmanager
 def gpu_worker(model_dir: Path) -> Iterator[ThreadWorker]:
     """The Sluice worker on the tiny model, room for all 50 sequences in one running batch."""
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=64, kv_cache_memory=8 << 20)
     w = ThreadWorker(llm, queue="tiny")
@@ -141,7 +141,7 @@ def stages(*names: str) -> Any:
 def test_import_loads_no_engine_and_connects_to_nothing() -> None:
     # The beat schedule is read there too: reading app.conf resolves the broker URL, which here (no
     # SLUICE_REDIS_URL, no module server yet) would start an embedded server and leave it running.
-    code = ("import sys, jobs.celery_app as c; "
+    code = ("import sys, sluice.jobs.celery_app as c; "
             "assert not {'torch', 'engine', 'worker'} & set(sys.modules), sorted(sys.modules); "
             "print(sorted(n for n in c.app.tasks if n.startswith('sluice.'))); "
             "e = c.app.conf.beat_schedule['sluice-housekeeping']; print(e['task'], e['schedule'] > 0)")

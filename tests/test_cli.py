@@ -13,9 +13,8 @@ import pytest
 from cli_api_helpers import free_port, read_jsonl, simple_lines, sluice_home, tiny_worker
 from click.testing import CliRunner, Result
 from helpers import fresh_seed
-
-from cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USER_ERROR
-from cli.main import cli
+from sluice.cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USER_ERROR
+from sluice.cli.main import cli
 
 
 @pytest.fixture(scope="module")

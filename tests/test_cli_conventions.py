@@ -28,10 +28,9 @@ from cli_api_helpers import (
 )
 from click.testing import CliRunner, Result
 from helpers import fresh_seed
-
-from cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_USER_ERROR
-from cli.main import cli
-from jobs.connection import find_server, stop_server
+from sluice.cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_USER_ERROR
+from sluice.cli.main import cli
+from sluice.jobs.connection import find_server, stop_server
 
 STARTED = "started the embedded job server"
 
@@ -274,8 +273,8 @@ def test_submit_and_generate_take_the_same_sampling_flags(idle: Path, tmp_path: 
     src.write_text('{"prompt": "a"}\n{"prompt": "b", "seed": 1, "max_tokens": 3}\n')
     bid = invoke("submit", src, "--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9", "--seed", "42",
                  "--completion-window", "1.5h").stdout.strip()
-    from jobs import keys
-    from jobs.connection import connect
+    from sluice.jobs import keys
+    from sluice.jobs.connection import connect
 
     r = connect()
     jobs = {j["custom_id"]: j for j in (json.loads(f["j"]) for _, f in r.xrange(keys.jobs(bid, 0)))}

@@ -24,11 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 from helpers import fresh_seed
-
-from cli.common import EXIT_SOME_FAILED, EXIT_USAGE, EXIT_USER_ERROR
-from cli.main import cli
-from jobs.datasets import Request, RowSpec, open_source, read_requests
-from jobs.lines import parse_line
+from sluice.cli.common import EXIT_SOME_FAILED, EXIT_USAGE, EXIT_USER_ERROR
+from sluice.cli.main import cli
+from sluice.jobs.datasets import Request, RowSpec, open_source, read_requests
+from sluice.jobs.lines import parse_line
 
 pytest_plugins = ["s3_fixtures"]  # `s3`: a real S3-compatible server (moto's server mode)
 
@@ -39,7 +38,7 @@ ENGINE = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-num-seqs", "
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> Any:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     return LLM(str(tiny_model_dir), dtype="float32", max_num_seqs=8, kv_cache_memory=8 << 20)
 
@@ -53,8 +52,8 @@ def make_rows(rng: random.Random, n: int, bad: int | None = None) -> list[dict[s
 
 def reference(llm: Any, source: str, spec: RowSpec, max_tokens: int) -> dict[str, str]:
     """The tiny model's own completions for the requests the rows make, by custom_id."""
-    from jobs.schemas import SamplingParams
-    from worker.convert import job_to_request
+    from sluice.jobs.schemas import SamplingParams
+    from sluice.worker.convert import job_to_request
 
     jobs = [parse_line(i.line, i.row + 1, SamplingParams(max_tokens=max_tokens))
             for i in read_requests(source, spec) if isinstance(i, Request)]
@@ -159,7 +158,7 @@ def test_object_storage_in_and_out(s3: dict[str, Any], tiny_model_dir: Path, llm
     pq.write_table(pa.Table.from_pylist(rows), local)
     s3["fs"].put(str(local), "s3://sluice-test/in/rows.parquet")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ENDPOINT_URL": s3["opts"]["endpoint_url"]}
-    p = subprocess.run([sys.executable, "-m", "cli.main", "generate", "s3://sluice-test/in/rows.parquet", "-o",
+    p = subprocess.run([sys.executable, "-m", "sluice.cli.main", "generate", "s3://sluice-test/in/rows.parquet", "-o",
                         "s3://sluice-test/out/rows.jsonl", "--model", str(tiny_model_dir), *ENGINE,
                         "--prompt-column", "text", "--id-column", "id", "--max-tokens", "3"],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -197,7 +196,7 @@ def test_flag_mistakes_are_one_line_usage_errors(tmp_path: Path) -> None:
 
 
 def _cli_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    code = f"import sys; sys.modules[{module!r}] = None; from cli.main import cli; cli({list(args)!r})"
+    code = f"import sys; sys.modules[{module!r}] = None; from sluice.cli.main import cli; cli({list(args)!r})"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -231,7 +230,7 @@ def test_resume_after_kill_9_gives_every_row_exactly_once(tiny_model_dir: Path, 
     src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
     pq.write_table(pa.Table.from_pylist(rows), src, row_group_size=16)
     # Paced (tests/paced.py): the run is still going when the test kills it, on any machine.
-    args = [sys.executable, str(ROOT / "tests" / "paced.py"), "cli.main", "generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
+    args = [sys.executable, str(ROOT / "tests" / "paced.py"), "sluice.cli.main", "generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
             "--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-num-seqs", "4", "--no-progress",
             "--prompt-column", "text", "--id-column", "id", "--max-tokens", "12"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this worktree's code, not the installed copy's

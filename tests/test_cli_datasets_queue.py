@@ -18,10 +18,9 @@ import pytest
 from cli_api_helpers import sluice_home, tiny_worker
 from click.testing import CliRunner, Result
 from helpers import fresh_seed
-
-from cli.common import EXIT_SOME_FAILED, EXIT_USAGE
-from cli.main import cli
-from jobs.datasets import open_source
+from sluice.cli.common import EXIT_SOME_FAILED, EXIT_USAGE
+from sluice.cli.main import cli
+from sluice.jobs.datasets import open_source
 
 pytest_plugins = ["s3_fixtures"]  # `s3`: a real S3-compatible server (moto's server mode)
 

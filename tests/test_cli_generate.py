@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from cli.main import EXIT_SOME_FAILED, cli
+from sluice.cli.main import EXIT_SOME_FAILED, cli
 
 LINES = [
     '{"custom_id": "a", "prompt": "Once upon a time", "max_tokens": 5}',
@@ -85,7 +84,7 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
         ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--kv-cache-memory", "lots"],
     ]
     for args in cases:
-        p = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
+        p = subprocess.run([sys.executable, "-m", "sluice.cli.main", *args], capture_output=True, text=True, timeout=120)
         assert p.returncode in (1, 2), p.stderr
         assert "Traceback" not in p.stderr
         assert "Error" in p.stderr
@@ -117,14 +116,14 @@ def test_a_short_file_gets_a_kv_cache_for_its_own_sequences(tiny_model_dir: Path
     src.write_text('{"custom_id": "a", "prompt": "Hello", "max_tokens": 3}\n'
                    '{"custom_id": "b", "prompt": "Hi", "max_tokens": 3, "n": 3, "temperature": 0.5, "seed": 1}\n')
     args = ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32", "--no-progress"]
-    with caplog.at_level(logging.INFO, logger="engine.llm"):
+    with caplog.at_level(logging.INFO, logger="sluice.engine.llm"):
         res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     got = _read(out)
     assert set(got) == {"a", "b"} and len(got["b"]["response"]["body"]["choices"]) == 3
     per_seq = -(-4096 // 16)  # the tiny model's 4096 positions in blocks of 16
     assert f"KV cache: {4 * per_seq} blocks" in caplog.text
-    with caplog.at_level(logging.INFO, logger="engine.llm"):
+    with caplog.at_level(logging.INFO, logger="sluice.engine.llm"):
         caplog.clear()
         res = CliRunner().invoke(cli, [*args, "--max-num-seqs", "2"])  # the user's cap still holds
     assert res.exit_code == 0, res.output

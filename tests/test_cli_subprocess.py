@@ -17,9 +17,8 @@ import pytest
 from cli_api_helpers import free_port, read_jsonl, run_sluice, simple_lines, start_sluice, stop, wait_for_url
 from helpers import fresh_seed
 from jobs_helpers import wait_for
-
-from cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USER_ERROR
-from jobs.connection import find_server, stop_server
+from sluice.cli.common import EXIT_SERVER_DOWN, EXIT_SOME_FAILED, EXIT_USER_ERROR
+from sluice.jobs.connection import find_server, stop_server
 
 
 @dataclass

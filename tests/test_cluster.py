@@ -27,14 +27,13 @@ from jobs_helpers import (
     worker_process,
 )
 from paced import PacedLLM
-
-from api.app import create_app
-from api.settings import Settings
-from engine.llm import LLM
-from jobs import keys
-from jobs.local_cluster import LocalCluster
-from jobs.store import cancel_batch, get_batch, list_workers, read_results
-from jobs.submit import submit
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
+from sluice.engine.llm import LLM
+from sluice.jobs import keys
+from sluice.jobs.local_cluster import LocalCluster
+from sluice.jobs.store import cancel_batch, get_batch, list_workers, read_results
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = pytest.mark.cluster
@@ -173,8 +172,8 @@ def test_primary_restarted_mid_batch_loses_nothing_acknowledged(cr: redis.Redis,
 
 
 def test_the_cluster_switch_and_the_spill_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from jobs.connection import is_cluster_url
-    from jobs.settings import JobPlaneSettings, SettingsError, job_plane, load
+    from sluice.jobs.connection import is_cluster_url
+    from sluice.jobs.settings import JobPlaneSettings, SettingsError, job_plane, load
 
     monkeypatch.setenv("SLUICE_REDIS_URL", "redis+cluster://:pw@10.0.0.5:6379")
     assert is_cluster_url(job_plane().redis_url or "")

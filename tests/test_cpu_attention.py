@@ -14,12 +14,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from helpers import fresh_seed
-
-from engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
-from engine.attention import store_kv as store_kv_torch
-from engine.cpu_attention import CpuPagedAttention
-from kernels.cpu_ops import CFLAGS, SOURCES, available, load_variant, paged_attention, store_kv
-from kernels.reference import paged_attention_reference, relative_error
+from sluice.engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
+from sluice.engine.attention import store_kv as store_kv_torch
+from sluice.engine.cpu_attention import CpuPagedAttention
+from sluice.kernels.cpu_ops import CFLAGS, SOURCES, available, load_variant, paged_attention, store_kv
+from sluice.kernels.reference import paged_attention_reference, relative_error
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kernels.cpu_ops import SOURCES, available, build_dir, build_name
+from sluice.kernels.cpu_ops import SOURCES, available, build_dir, build_name
 
 ROOT = Path(__file__).resolve().parents[1]
-LOAD = "from kernels.cpu_ops import load; load(); print('loaded')"
+LOAD = "from sluice.kernels.cpu_ops import load; load(); print('loaded')"
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path: Path,
@@ -45,11 +44,11 @@ def test_each_checkout_has_its_own_build(monkeypatch: pytest.MonkeyPatch, tmp_pa
     others[0].parent.mkdir(parents=True)
     for src, other in zip(SOURCES, others, strict=True):
         other.write_bytes(src.read_bytes())  # the same sources elsewhere: a build command with other paths
-    monkeypatch.setattr("kernels.cpu_ops.SOURCES", others)
+    monkeypatch.setattr("sluice.kernels.cpu_ops.SOURCES", others)
     assert build_name() != here
 
 
-FAST = ("import sys; from kernels.cpu_ops import load; load(); "
+FAST = ("import sys; from sluice.kernels.cpu_ops import load; load(); "
         "print('loaded', 'torch.utils.cpp_extension' in sys.modules)")
 
 

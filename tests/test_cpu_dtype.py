@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from sluice.engine import cpu_dtype, tuning_cache
 from transformers import LlamaConfig
-
-from engine import cpu_dtype, tuning_cache
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 

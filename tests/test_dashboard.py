@@ -19,14 +19,13 @@ import pytest
 from cli_api_helpers import simple_lines, sluice_home
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
-
-from api.app import create_app
-from api.dashboard import HEADERS, PAGE_SIZE, download_url
-from api.rate_samples import MIN_GAP, SIZE, RateSamples
-from api.settings import Settings
-from jobs.schemas import Batch, BatchCounts, BatchStatus, ResultUsage
-from jobs.store import cancel_batch, count_batches, get_batch
-from jobs.submit import submit
+from sluice.api.app import create_app
+from sluice.api.dashboard import HEADERS, PAGE_SIZE, download_url
+from sluice.api.rate_samples import MIN_GAP, SIZE, RateSamples
+from sluice.api.settings import Settings
+from sluice.jobs.schemas import Batch, BatchCounts, BatchStatus, ResultUsage
+from sluice.jobs.store import cancel_batch, count_batches, get_batch
+from sluice.jobs.submit import submit
 
 KEY = "sk-dash-" + secrets.token_hex(8)
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,9 +28,8 @@ from cli_api_helpers import run_sluice, simple_lines, sluice_home, start_sluice,
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, wait_for
 from paced import PacedLLM
-
-from api.rate_samples import MIN_GAP
-from cli.common import EXIT_SOME_FAILED
+from sluice.api.rate_samples import MIN_GAP
+from sluice.cli.common import EXIT_SOME_FAILED
 
 KEY = "sk-dash-" + secrets.token_hex(8)
 

@@ -27,8 +27,7 @@ from dataset_helpers import (
     write_source,
 )
 from helpers import fresh_seed
-
-from jobs.datasets import (
+from sluice.jobs.datasets import (
     MissingExtra,
     Request,
     RowError,
@@ -193,9 +192,9 @@ def test_in_memory_data_reads_and_joins_like_a_file(kind: str, tmp_path: Path) -
 
 # ---- the seam, extras, and the job plane's rule -------------------------------------------------
 def test_rows_submit_to_the_queue_as_lines(r: Any, tmp_path: Path) -> None:
-    """The lines go into jobs.submit.submit as a file's would; a bad row stays a blank line, so the
+    """The lines go into sluice.jobs.submit.submit as a file's would; a bad row stays a blank line, so the
     batch's line numbers are row numbers + 1."""
-    from jobs.submit import submit
+    from sluice.jobs.submit import submit
 
     rng = random.Random(fresh_seed())
     rows = make_rows(rng, 40, nulls=True)
@@ -213,13 +212,13 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path) -> None:
-    p = _run("import sys; sys.modules['pyarrow'] = None; import jobs.datasets")
+    p = _run("import sys; sys.modules['pyarrow'] = None; import sluice.jobs.datasets")
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1] == (
-        "jobs.datasets.extras.MissingExtra: this needs pyarrow, which is not installed: pip install 'sluice-llm[datasets]'")
+        "sluice.jobs.datasets.extras.MissingExtra: this needs pyarrow, which is not installed: pip install 'sluice-llm[datasets]'")
     p = _run("""
         import sys; sys.modules['s3fs'] = None
-        from jobs.datasets import MissingExtra, open_source
+        from sluice.jobs.datasets import MissingExtra, open_source
         try:
             open_source('s3://bucket/x.parquet')
         except MissingExtra as e:
@@ -233,7 +232,7 @@ def test_the_datasets_package_does_not_import_torch(tmp_path: Path) -> None:
     src = write_source(make_rows(random.Random(2), 3), "saved", tmp_path)
     p = _run(f"""
         import sys
-        from jobs.datasets import ResultsWriter, RowSpec, read_requests
+        from sluice.jobs.datasets import ResultsWriter, RowSpec, read_requests
         list(read_requests({src!r}, RowSpec(prompt_column="text")))
         print(sorted({{'torch', 'engine', 'worker'}} & set(sys.modules)))
         """)

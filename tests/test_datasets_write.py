@@ -16,8 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 from dataset_helpers import check_output, fake_result, make_rows, read_output, run_writer, write_source
 from helpers import fresh_seed
-
-from jobs.datasets import Request, ResultsWriter, RowError, RowSpec, SourceError, open_source, read_requests
+from sluice.jobs.datasets import (
+    Request,
+    ResultsWriter,
+    RowError,
+    RowSpec,
+    SourceError,
+    open_source,
+    read_requests,
+)
 
 pytest_plugins = ["s3_fixtures"]  # `s3`: a real S3-compatible server
 
@@ -98,9 +105,9 @@ def test_result_columns_that_clash_with_the_source_take_a_prefix(tmp_path: Path)
 # ---- resume ---------------------------------------------------------------------------------------
 _KILLED_WRITER = """
 import json, os, random, signal, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path.insert(0, {tests!r})  # the package itself is installed (sluice.*)
 from dataset_helpers import fake_result
-from jobs.datasets import ResultsWriter, RowError, RowSpec, read_requests
+from sluice.jobs.datasets import ResultsWriter, RowError, RowSpec, read_requests
 spec = RowSpec(template="Summarise: {{text}}", id_column="id")
 items = list(read_requests({src!r}, spec))
 reqs = [i for i in items if not isinstance(i, RowError)]
@@ -200,8 +207,8 @@ def test_a_journal_of_another_run_is_refused(tmp_path: Path) -> None:
 # ---- memory ---------------------------------------------------------------------------------------
 _STREAM_200K = """
 import json, random, sys
-sys.path.insert(0, {root!r})
-from jobs.datasets import ResultsWriter, RowSpec, read_requests, Request
+# the package itself is installed (sluice.*)
+from sluice.jobs.datasets import ResultsWriter, RowSpec, read_requests, Request
 def mib(key):  # this process's own (ru_maxrss would carry the parent's peak across the exec)
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):

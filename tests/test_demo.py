@@ -54,8 +54,8 @@ def assert_all_stopped(pgid: int, home: Path, timeout: float = 60.0) -> None:
 
 def _worker_live(home: Path) -> bool:
     """A worker has loaded its model and serves a queue of the job server of ``home``."""
-    from jobs.connection import connect, find_server
-    from jobs.store import served_queues
+    from sluice.jobs.connection import connect, find_server
+    from sluice.jobs.store import served_queues
 
     server = find_server(home)
     if server is None:

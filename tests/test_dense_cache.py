@@ -13,10 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from sluice.engine import loader
+from sluice.engine.loader import MANIFEST, ModelSource, dense_path
 from transformers import AutoConfig
-
-from engine import loader
-from engine.loader import MANIFEST, ModelSource, dense_path
 
 
 @pytest.fixture
@@ -101,7 +100,7 @@ def test_a_damaged_copy_is_made_again_not_read(damage: str, made: list[Path], sr
     else:
         manifest = json.loads((out / MANIFEST).read_text())
         (out / MANIFEST).write_text(json.dumps({**manifest, "key": {**manifest["key"], "torch": "0.0"}}))
-    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+    with caplog.at_level(logging.WARNING, logger="sluice.engine.loader"):
         again = Path(dense_path(src))
     assert again == out and len(made) == 2, damage
     assert "not using the dense copy" in caplog.text

@@ -16,8 +16,7 @@ from typing import Any
 import click
 import pytest
 import yaml
-
-from cli.main import cli
+from sluice.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -144,7 +143,7 @@ def test_compose_variables_have_the_documented_defaults(compose: dict[str, Any])
     env = compose["services"]["worker-gpu0"]["environment"]
     assert env["SLUICE_MODEL"] == "${SLUICE_MODEL:-SmolLM2-135M-Instruct}"
     assert env["SLUICE_KV_CACHE_MEMORY"] == "${SLUICE_KV_CACHE_MEMORY:-}"
-    from engine.loader import DEFAULT_MODEL
+    from sluice.engine.loader import DEFAULT_MODEL
 
     assert DEFAULT_MODEL == "SmolLM2-135M-Instruct"
 
@@ -183,10 +182,10 @@ class NotInstalled(MetaPathFinder):
 sys.meta_path.insert(0, NotInstalled())
 from fastapi.testclient import TestClient
 from click.testing import CliRunner
-from api.app import create_app
-from api.settings import Settings
-from cli.main import cli
-import jobs.celery_app
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
+from sluice.cli.main import cli
+import sluice.jobs.celery_app
 
 c = TestClient(create_app(Settings(redis_url="redis://127.0.0.1:1/0")))
 assert c.get("/openapi.json").status_code == 200 and c.get("/healthz").status_code == 503

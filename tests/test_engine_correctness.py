@@ -18,11 +18,10 @@ from helpers import (
     make_tiny_model,
     random_prompts,
 )
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 from transformers import AutoModelForCausalLM
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
 
 CONFIGS = {
     "gqa-2layer-untied": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
@@ -115,8 +114,7 @@ def test_prefix_caching_on_a_shared_system_prompt(gqa: tuple[Path, Any], backend
 @pytest.mark.slow
 def test_smollm2_matches_transformers_on_real_prompts() -> None:
     from helpers import load_shared_prompts
-
-    from engine.loader import load_hf_model
+    from sluice.engine.loader import load_hf_model
 
     prompts_text = load_shared_prompts(16)
     llm = LLM(None, dtype="float32", kv_cache_memory=256 << 20)

@@ -16,11 +16,10 @@ import redis
 from helpers import fresh_seed
 from jobs_helpers import ROOT, ThreadWorker, assert_exactly_once, prompt_lines, wait_for
 from reliability_helpers import final, pending, run_to_end, tiny
-
-from engine.llm import LLM
-from jobs import keys
-from jobs.store import dead_letters, get_batch, queue_depth
-from jobs.submit import submit
+from sluice.engine.llm import LLM
+from sluice.jobs import keys
+from sluice.jobs.store import dead_letters, get_batch, queue_depth
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -48,8 +47,8 @@ def test_a_sick_engine_hands_its_jobs_back_and_exits(r: redis.Redis, tiny_model_
 
 
 def test_the_worker_process_exits_non_zero_when_the_engine_is_sick(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.__main__ as main
-    from worker.isolation import EngineSick
+    import sluice.worker.__main__ as main
+    from sluice.worker.isolation import EngineSick
 
     def sick(*a: Any, **kw: Any) -> Any:
         raise EngineSick("the engine fails a probe request on its own")
@@ -97,7 +96,7 @@ class Supervised:
 
     def revive(self) -> None:
         """Restart the workers that exited sick; any other exit is a failure."""
-        from worker.__main__ import EXIT_ENGINE_SICK
+        from sluice.worker.__main__ import EXIT_ENGINE_SICK
 
         for wid, p in self.procs.items():
             code = p.poll()
@@ -123,7 +122,7 @@ class Supervised:
 
 def test_only_a_job_that_breaks_a_working_engine_alone_is_the_culprit() -> None:
     """worker/isolation.py's rules, when the probe after a failure fails too (the engine is broken)."""
-    from worker.isolation import Isolation
+    from sluice.worker.isolation import Isolation
 
     boom = RuntimeError("device-side assert")
     iso: Isolation[str] = Isolation()

@@ -6,11 +6,10 @@ import io
 from pathlib import Path
 
 import pytest
-
-import worker.progress as progress_module
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+import sluice.worker.progress as progress_module
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 
 class RecordingProgress(progress_module.Progress):

@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_greedy_matches, fresh_seed, hf_greedy, random_prompts
-
-from engine.graph_runner import bucket_for, decode_buckets
-from engine.llm import LLM
-from engine.model_runner import cuda_kv_budget, warmup_query_lens
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.graph_runner import bucket_for, decode_buckets
+from sluice.engine.llm import LLM
+from sluice.engine.model_runner import cuda_kv_budget, warmup_query_lens
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 
 def test_decode_buckets() -> None:
@@ -143,8 +142,8 @@ def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir: Path, monkey
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A capture that fails (a host sync inside the model, simulated: this machine has no CUDA) leaves no
     graph behind, is logged, and the engine starts and decodes eagerly, padded, to the same tokens."""
-    from engine.graph_runner import DecodeGraphRunner
-    from engine.model_runner import ModelRunner
+    from sluice.engine.graph_runner import DecodeGraphRunner
+    from sluice.engine.model_runner import ModelRunner
 
     def broken_capture(self: DecodeGraphRunner) -> None:
         self.graphs[self.buckets[-1]] = object()  # one bucket captured before the failure
@@ -155,7 +154,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir: Path, monkey
     plain, _ = _generate(tiny_model_dir, reqs, pad_decode=False)
     monkeypatch.setattr(ModelRunner, "_capture_graphs", lambda self: True)
     monkeypatch.setattr(DecodeGraphRunner, "_capture_all", broken_capture)
-    with caplog.at_level("WARNING", logger="engine.graph_runner"):
+    with caplog.at_level("WARNING", logger="sluice.engine.graph_runner"):
         outs, llm = _generate(tiny_model_dir, reqs)
     runner = llm.runner.decode_runner
     assert runner is not None and runner.graphs == {} and sum(runner.steps.values()) > 0

@@ -13,14 +13,13 @@ import jsonschema
 import pytest
 from helpers import fresh_seed, make_tiny_model, random_prompts
 from openai.types.chat import ChatCompletion
-
-from engine.llm import LLM
-from engine.outputs import Completion, Request
-from engine.sampling_params import SamplingParams
-from jobs.lines import parse_line
-from jobs.openai_output import completion_body
-from jobs.schemas import Job, Result
-from worker.convert import completion_to_result, job_to_request
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion, Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.jobs.lines import parse_line
+from sluice.jobs.openai_output import completion_body
+from sluice.jobs.schemas import Job, Result
+from sluice.worker.convert import completion_to_result, job_to_request
 
 CHOICES = ["alpha", "beta", "gamma"]
 PHONE = r"\d{3}-\d{4}"

@@ -9,13 +9,12 @@ import json
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-
-from engine.outputs import Completion as EngineCompletion
-from engine.outputs import CompletionOutput, TokenLogprob, Usage
-from engine.outputs import Timings as EngineTimings
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import completion_body
-from worker.convert import completion_to_result, job_to_request, parse_tool_calls
+from sluice.engine.outputs import Completion as EngineCompletion
+from sluice.engine.outputs import CompletionOutput, TokenLogprob, Usage
+from sluice.engine.outputs import Timings as EngineTimings
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import completion_body
+from sluice.worker.convert import completion_to_result, job_to_request, parse_tool_calls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -11,10 +11,9 @@ import time
 import jsonschema
 import pytest
 from helpers import fresh_seed
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 SCHEMAS = {
     "person": {"type": "object", "additionalProperties": False, "required": ["name", "age"], "properties": {

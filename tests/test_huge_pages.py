@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.attention import allocate_kv, head_major
+from sluice.engine.attention import allocate_kv, head_major
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -15,13 +15,12 @@ import pytest
 import redis
 from helpers import fresh_seed
 from jobs_helpers import assert_exactly_once, prompt_lines, result_entries
-
-from jobs import keys
-from jobs.connection import connect, ensure_server, find_server, redis_url, stop_server
-from jobs.housekeeping import housekeep
-from jobs.schemas import SamplingParams
-from jobs.scripts import Scripts, record
-from jobs.store import (
+from sluice.jobs import keys
+from sluice.jobs.connection import connect, ensure_server, find_server, redis_url, stop_server
+from sluice.jobs.housekeeping import housekeep
+from sluice.jobs.schemas import SamplingParams
+from sluice.jobs.scripts import Scripts, record
+from sluice.jobs.store import (
     cancel_batch,
     cancel_job,
     get_batch,
@@ -33,7 +32,7 @@ from jobs.store import (
     queue_depth,
     read_results,
 )
-from jobs.submit import submit
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]  # the sluice_home and r fixtures, kept out of the shared conftest.py
 
@@ -43,7 +42,7 @@ def test_embedded_server_is_found_again_and_homes_never_share(sluice_home: Path,
     a = ensure_server(sluice_home)
     assert find_server(sluice_home) == a and ensure_server(sluice_home) == a
     # Another process finds the same server through the home directory alone.
-    code = "from jobs.connection import connect; print(connect().client_info()['laddr'].split(':')[-1])"
+    code = "from sluice.jobs.connection import connect; print(connect().client_info()['laddr'].split(':')[-1])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "SLUICE_HOME": str(sluice_home)}, cwd=Path(__file__).parents[1])
     assert int(out.stdout) == a.port
@@ -60,7 +59,7 @@ def test_embedded_server_is_found_again_and_homes_never_share(sluice_home: Path,
 
 
 def test_concurrent_starts_make_one_server(sluice_home: Path) -> None:
-    code = "from jobs.connection import ensure_server; print(ensure_server().port)"
+    code = "from sluice.jobs.connection import ensure_server; print(ensure_server().port)"
     env = {**os.environ, "SLUICE_HOME": str(sluice_home)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
                               cwd=Path(__file__).parents[1]) for _ in range(3)]
@@ -263,7 +262,7 @@ def test_a_worker_starting_while_the_server_restarts_waits_for_it(sluice_home: P
     was restarting, and died of the ConnectionError. Its identity claim now waits for the server."""
     import threading
 
-    from jobs.consumer.identity import take_identity
+    from sluice.jobs.consumer.identity import take_identity
 
     ensure_server(sluice_home)
     c = connect()

@@ -8,10 +8,17 @@ import sys
 
 import pytest
 from helpers import fresh_seed
-
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import Choice, ErrorInfo, Result, ResultUsage, SamplingParams, TokenLogprob, TopLogprob
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import (
+    Choice,
+    ErrorInfo,
+    Result,
+    ResultUsage,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 def openai_line(url: str, body: dict, custom_id: str = "r1") -> str:
@@ -21,8 +28,8 @@ def openai_line(url: str, body: dict, custom_id: str = "r1") -> str:
 def test_jobs_never_import_torch() -> None:
     import subprocess
 
-    code = ("import jobs.schemas, jobs.lines, jobs.openai_output, jobs.submit, jobs.store, jobs.housekeeping, "
-            "jobs.consumer.session, sys; print('torch' in sys.modules)")
+    code = ("import sluice.jobs.schemas, sluice.jobs.lines, sluice.jobs.openai_output, sluice.jobs.submit, sluice.jobs.store, sluice.jobs.housekeeping, "
+            "sluice.jobs.consumer.session, sys; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TEST_DEVICE, fresh_seed
-
-from engine.attention import AttentionMetadata
-from engine.triton_attention import TritonAttention
-from kernels.kv_write import store_kvcache
-from kernels.paged_attention import DECODE_BLOCK_N, paged_decode_attention, paged_prefill_attention
-from kernels.reference import paged_attention_reference as reference
-from kernels.reference import relative_error
+from sluice.engine.attention import AttentionMetadata
+from sluice.engine.triton_attention import TritonAttention
+from sluice.kernels.kv_write import store_kvcache
+from sluice.kernels.paged_attention import DECODE_BLOCK_N, paged_decode_attention, paged_prefill_attention
+from sluice.kernels.reference import paged_attention_reference as reference
+from sluice.kernels.reference import relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 F32, F16 = torch.float32, torch.float16
@@ -326,7 +325,7 @@ def test_head_offsets_past_int32_in_a_head_major_cache(rng: random.Random) -> No
     2**30 elements: head 2 starts past 2**31 although its stride fits in 32 bits, so ``kv_head * stride_h``
     must be computed in int64. The caches are uninitialised memory, so only the pages touched are ever
     backed (allocate_kv itself zeroes its cache on CPU: 13 GB resident here)."""
-    from engine.attention import allocate_kv, head_major
+    from sluice.engine.attention import allocate_kv, head_major
 
     dtype, block_size, hkv, d, group = F16, 16, 3, 16, 2
     num_blocks = 2**30 // (block_size * d) + 64
@@ -400,11 +399,10 @@ def test_engine_with_triton_backend_matches_transformers(rng: random.Random, tin
     """The whole engine on the kernels (interpreted): greedy tokens as transformers', through chunked
     prefill (a small token budget splits the prompts), mixed steps and pure decode steps."""
     from helpers import assert_greedy_matches, hf_greedy, random_prompts
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = random_prompts(rng, 6, 1, 60)

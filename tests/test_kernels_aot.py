@@ -1,6 +1,6 @@
 """Every kernel launch the wrappers make compiles ahead of time for the H200 (sm_90), down to a cubin.
 
-This machine has no GPU: ``kernels.aot`` records the wrappers' launches on CPU tensors and hands
+This machine has no GPU: ``sluice.kernels.aot`` records the wrappers' launches on CPU tensors and hands
 them to ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``; ptxas ships inside the
 triton wheel, so the last stage, the cubin, is reached too. It runs in a subprocess because this
 process has TRITON_INTERPRET=1, under which ``@triton.jit`` builds interpreter functions instead.
@@ -39,7 +39,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", "--arch", "90", "--stage", "cubin", "--json"],
+        [sys.executable, "-m", "sluice.kernels.aot", "--arch", "90", "--stage", "cubin", "--json"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import fresh_seed
-
-from kernels import cpu_fused, fused
-from kernels.reference import relative_error
+from sluice.kernels import cpu_fused, fused
+from sluice.kernels.reference import relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 KERNELS = [pytest.param(fused, id="triton"), pytest.param(cpu_fused, id="cpp")]
@@ -128,20 +127,19 @@ def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: Mod
     """The model's switch to the fused kernels (Triton's with Triton attention on CUDA, the C++ ops with
     the C++ attention op): a packed step of prompt chunks through the whole tiny model gives the eager
     model's hidden states; also with the C++ path's MLP in passes of a few rows (as a long step runs it)."""
+    from sluice.engine.models import llama
     from transformers import LlamaConfig
-
-    from engine.models import llama
 
     if mlp_passes:
         monkeypatch.setattr(llama, "MLP_MIN_ROWS", 1)
         monkeypatch.setattr(cpu_fused, "MLP_BLOCK_BYTES", rng.randint(3, 20) * 2 * 128 * 4)
 
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
-    from engine.models.llama import LlamaForCausalLM
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.models.llama import LlamaForCausalLM
+    from sluice.engine.sampling_params import SamplingParams
+    from sluice.engine.scheduler import ScheduledBatch
+    from sluice.engine.sequence import Sequence
 
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -172,8 +170,8 @@ def test_model_with_fused_kernels_matches_eager(rng: random.Random, kernels: Mod
 
 
 def test_the_cpp_attention_op_brings_the_cpp_fused_kernels() -> None:
-    from engine.config import EngineConfig
-    from engine.model_runner import elementwise_kernels, make_backend
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.model_runner import elementwise_kernels, make_backend
 
     cpu = torch.device("cpu")
     assert elementwise_kernels(make_backend(EngineConfig(attention_backend="cpu"), cpu), cpu) is cpu_fused
@@ -187,8 +185,8 @@ def test_the_mlp_in_passes_of_rows_matches_it_whole(rng: random.Random, monkeypa
                                                     dtype: torch.dtype) -> None:
     """A long step's MLP runs in passes of rows (its intermediate kept in cache): the same rows, in
     order, as one pass on both GEMM paths; and one pass under a LoRA hook, which indexes the step's rows."""
-    from engine.linear import make_linear
-    from engine.models import llama
+    from sluice.engine.linear import make_linear
+    from sluice.engine.models import llama
 
     hidden, inter, rows = 48, 80, rng.randint(40, 300)
     mlp = llama.MLP(hidden, inter, bias=rng.random() < 0.5).to(dtype)

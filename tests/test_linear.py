@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_greedy_matches, fresh_seed, hf_greedy, make_tiny_model, random_prompts
+from sluice.engine import linear
+from sluice.engine.config import EngineConfig
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
-
-from engine import linear
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                    num_hidden_layers=2, vocab_size=1000)
@@ -74,7 +73,7 @@ def test_the_choice_is_the_fastest_measured_and_logged(caplog: pytest.LogCapture
         if impl == "aten":  # kept unless another way beat it by the margin
             assert low * linear.MARGIN + 0.002 >= float(ms["aten"]), why
     net = nn.Sequential(nn.Linear(8, 8))
-    with caplog.at_level(logging.INFO, logger="engine.linear"):
+    with caplog.at_level(logging.INFO, logger="sluice.engine.linear"):
         impl = linear.use_cpu_linear(net, "auto", TINY, torch.device("cpu"), torch.float32)
     assert f"linear layers: {impl}" in caplog.text and "batch 128" in caplog.text
 

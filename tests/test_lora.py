@@ -14,12 +14,11 @@ import pytest
 import torch
 from helpers import assert_greedy_matches, fresh_seed, hf_greedy, make_tiny_model, random_prompts
 from lora_helpers import make_adapter, peft_model
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.kernels import cpu_ops
 from transformers import AutoModelForCausalLM
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
-from kernels import cpu_ops
 
 pytest.importorskip("peft")
 

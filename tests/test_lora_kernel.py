@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import TEST_DEVICE, fresh_seed
-
-from kernels.lora import lora_delta_
+from sluice.kernels.lora import lora_delta_
 
 
 def _reference(out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, ranks: list[int], a: torch.Tensor,

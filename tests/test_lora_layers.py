@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch
 from helpers import fresh_seed
-
-from engine.lora.adapters import LoraAdapter, LoraWeights
-from engine.lora.batch import adapter_order, adapter_runs
-from engine.lora.layers import CpuStep, LoraHook, LoraStep
-from kernels import cpu_ops
+from sluice.engine.lora.adapters import LoraAdapter, LoraWeights
+from sluice.engine.lora.batch import adapter_order, adapter_runs
+from sluice.engine.lora.layers import CpuStep, LoraHook, LoraStep
+from sluice.kernels import cpu_ops
 
 # A fused q/k/v output: (target, first column, width). "small": widths and stacked rank (14) below one
 # vector of the C++ op; "wide": past its tiles (widths over 64 columns, ranks stacking to 120 > 96 columns).

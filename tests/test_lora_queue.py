@@ -14,14 +14,13 @@ import redis
 from helpers import fresh_seed, make_tiny_model
 from jobs_helpers import ThreadWorker, assert_exactly_once, wait_for
 from lora_helpers import make_adapter
-
-from api.app import list_models
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
-from jobs import keys
-from jobs.store import get_batch, list_workers
-from jobs.submit import submit
+from sluice.api.app import list_models
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.jobs import keys
+from sluice.jobs.store import get_batch, list_workers
+from sluice.jobs.submit import submit
 
 pytest.importorskip("peft")
 pytest_plugins = ["jobs_fixtures"]

@@ -17,14 +17,13 @@ import pytest
 import torch
 from helpers import assert_greedy_matches, fresh_seed, hf_greedy, make_tiny_model, random_prompts
 from safetensors.torch import load_file, save_file
+from sluice.engine.llm import LLM
+from sluice.engine.loader import _plain_config, load_config
+from sluice.engine.models.native_load import load_native
+from sluice.engine.models.select import build_model
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-from engine.llm import LLM
-from engine.loader import _plain_config, load_config
-from engine.models.native_load import load_native
-from engine.models.select import build_model
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-tied": dict(num_hidden_layers=2, tie_word_embeddings=True),
@@ -95,7 +94,7 @@ def test_a_checkpoint_the_fast_path_does_not_cover_loads_through_transformers(
         _rewrite_weights(path, lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"))
     else:
         _rewrite_weights(path, lambda s: s.__setitem__("model.norm.weight", torch.ones(3)))
-    with caplog.at_level(logging.WARNING, logger="engine.models.native_load"):
+    with caplog.at_level(logging.WARNING, logger="sluice.engine.models.native_load"):
         assert load_native(str(path), load_config(str(path)), 256, torch.device("cpu"), torch.float32) is None
     assert "loading through transformers" in caplog.text
 

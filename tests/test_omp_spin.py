@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.omp_spin import SPINCOUNT, is_embedding_model, short_omp_spin
+from sluice.engine.omp_spin import SPINCOUNT, is_embedding_model, short_omp_spin
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def test_too_late_once_torch_is_loaded() -> None:
 
 
 def test_set_before_torch_and_the_user_wins() -> None:
-    code = ("import json, os, sys; from engine.omp_spin import short_omp_spin; env = {}; a = short_omp_spin(env); "
+    code = ("import json, os, sys; from sluice.engine.omp_spin import short_omp_spin; env = {}; a = short_omp_spin(env); "
             "u = {'OMP_WAIT_POLICY': 'ACTIVE'}; b = short_omp_spin(u); "
             "print(json.dumps({'set': a, 'env': env, 'user_set': b, 'user': u, 'torch': 'torch' in sys.modules}))")
     r = _fresh_python(code)
@@ -48,7 +48,7 @@ def test_set_before_torch_and_the_user_wins() -> None:
 
 
 def test_cli_sets_it_for_an_embedding_model_only() -> None:
-    code = ("import json, os, sys; from cli.common import need_engine; assert 'torch' not in sys.modules; "
+    code = ("import json, os, sys; from sluice.cli.common import need_engine; assert 'torch' not in sys.modules; "
             "need_engine({model!r}); "
             "print(json.dumps({{'spin': os.environ.get('GOMP_SPINCOUNT'), 'torch': 'torch' in sys.modules}}))")
     assert _fresh_python(code.format(model="all-MiniLM-L6-v2")) == {"spin": SPINCOUNT, "torch": True}

@@ -25,13 +25,12 @@ import pytest
 from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_for_url
 from helpers import fresh_seed, smollm2_tokenizer
 from jobs_helpers import ThreadWorker, wait_for
+from sluice.jobs import keys
+from sluice.jobs.connection import connect
+from sluice.jobs.embeddings import decode_base64
+from sluice.jobs.store import get_batch, output_lines
+from sluice.jobs.submit import submit
 from test_embeddings import write_st_files
-
-from jobs import keys
-from jobs.connection import connect
-from jobs.embeddings import decode_base64
-from jobs.store import get_batch, output_lines
-from jobs.submit import submit
 
 KEY = "sk-sluice-test"
 BERT = "tinybert"  # the queue of the tiny BERT's worker
@@ -78,7 +77,7 @@ def _serve(home: Path) -> tuple[Any, str]:
 
 @pytest.fixture(scope="module")
 def live(tiny_bert: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    from engine.embedding_engine import EmbeddingEngine
+    from sluice.engine.embedding_engine import EmbeddingEngine
 
     home = tmp_path_factory.mktemp("openai-emb") / "home"
     with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
@@ -219,7 +218,7 @@ def test_wrong_kind_of_model_bad_input_and_auth_in_openais_shape(live: Live) -> 
 
 @needs_minilm
 def test_minilm_from_the_wheel_equals_the_batch_path(live: Live) -> None:
-    from engine.embedding_engine import EmbeddingEngine
+    from sluice.engine.embedding_engine import EmbeddingEngine
 
     rng = random.Random(fresh_seed())
     texts = _texts(rng, 6)

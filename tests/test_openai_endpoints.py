@@ -23,9 +23,8 @@ from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, wait_for_url
 from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, wait_for, worker_process
-
-from jobs import keys
-from jobs.connection import connect
+from sluice.jobs import keys
+from sluice.jobs.connection import connect
 
 KEY = "sk-sluice-test"
 
@@ -68,14 +67,14 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> Any:
     """An in-process engine on the same weights: the answers to expect."""
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     return LLM(str(tiny_model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory=8 << 20)
 
 
 def _expected(llm: Any, reqs: list[dict[str, Any]]) -> list[str]:
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     todo = []
     for i, q in enumerate(reqs):
@@ -319,12 +318,12 @@ def test_worker_killed_mid_run(tiny_model_dir: Path, tmp_path: Path, reference: 
 def test_streamed_pieces_add_up_to_the_final_text(reference: Any) -> None:
     """worker/streaming.py on the engine itself: the pieces of each sample are a prefix of its final text
     (the rest comes with the result), and never run past where a stop string cuts it."""
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
-    from jobs.consumer.commands import Delivery
-    from jobs.schemas import Job
-    from jobs.schemas import SamplingParams as JobParams
-    from worker.streaming import TextStreams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
+    from sluice.jobs.consumer.commands import Delivery
+    from sluice.jobs.schemas import Job
+    from sluice.jobs.schemas import SamplingParams as JobParams
+    from sluice.worker.streaming import TextStreams
 
     rng = random.Random(fresh_seed())
     streams = TextStreams(reference.tokenizer)

@@ -13,13 +13,12 @@ import pytest
 import torch
 from helpers import fresh_seed, random_prompts
 from openai.types import Completion as OpenAICompletion
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import completion_body
-from worker.convert import completion_to_result, job_to_request
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import completion_body
+from sluice.worker.convert import completion_to_result, job_to_request
 
 TOL = 1e-4  # max abs difference allowed, float32 both sides
 K = 3

@@ -18,16 +18,15 @@ from helpers import (
     make_tiny_model,
     random_prompts,
 )
+from sluice.engine.llm import LLM
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.outputs import Request
+from sluice.engine.quant.int8 import INT8PACK_MAX_ROWS, Int8Linear, quantize_per_channel, quantize_with_scale
+from sluice.engine.quant.methods import pick_impl, plan_quantization
+from sluice.engine.quant.weight_bytes import weight_bytes
+from sluice.engine.sampling_params import SamplingParams
 from torch import nn
 from transformers import AutoModelForCausalLM
-
-from engine.llm import LLM
-from engine.models.base import UnsupportedModelError
-from engine.outputs import Request
-from engine.quant.int8 import INT8PACK_MAX_ROWS, Int8Linear, quantize_per_channel, quantize_with_scale
-from engine.quant.methods import pick_impl, plan_quantization
-from engine.quant.weight_bytes import weight_bytes
-from engine.sampling_params import SamplingParams
 
 pytest.importorskip("torchao")
 NUM_PROMPTS, MAX_NEW, VOCAB = 64, 12, 1024

@@ -11,11 +11,10 @@ from pathlib import Path
 import redis
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
-
-from api.app import create_app
-from api.settings import Settings
-from cli.main import cli
-from jobs.consumer.commands import beat
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
+from sluice.cli.main import cli
+from sluice.jobs.consumer.commands import beat
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -36,7 +35,7 @@ def test_generate_runs_int8_weights(tiny_model_dir: Path, tmp_path: Path) -> Non
 def test_int4_on_cpu_is_a_one_line_user_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "x"}\n')
-    p = subprocess.run([sys.executable, "-m", "cli.main", "generate", str(src), "-o", str(tmp_path / "o.jsonl"),
+    p = subprocess.run([sys.executable, "-m", "sluice.cli.main", "generate", str(src), "-o", str(tmp_path / "o.jsonl"),
                         "--model", str(tiny_model_dir), "--quantization", "int4"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr

@@ -17,8 +17,7 @@ import click
 import pytest
 import yaml
 from click.testing import CliRunner
-
-from cli.main import cli
+from sluice.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -190,8 +189,8 @@ def _sources() -> str:
 def _read_by_sluice() -> set[str]:
     """Every SLUICE_* name the packages read: the settings' fields, and the names spelled as strings
     (click's envvar, os.environ)."""
-    from api.settings import Settings
-    from jobs.settings import env_names
+    from sluice.api.settings import Settings
+    from sluice.jobs.settings import env_names
 
     return set(re.findall(r"""["'](SLUICE_[A-Z0-9_]+)["']""", _sources())) | set(env_names(Settings))
 
@@ -241,7 +240,7 @@ def test_environment_tables_are_complete() -> None:
 
 
 def test_environment_defaults_match_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    from api.settings import Settings
+    from sluice.api.settings import Settings
 
     for name in _read_by_sluice():
         monkeypatch.delenv(name, raising=False)
@@ -266,9 +265,8 @@ def _exported(families: list) -> dict[str, str]:  # type: ignore[type-arg]
 
 def test_metrics_table_matches_the_registries() -> None:
     from prometheus_client import CollectorRegistry
-
-    from api.metrics import JobPlaneCollector, OpenAIMetrics, make_registry
-    from worker.metrics import WorkerMetrics
+    from sluice.api.metrics import JobPlaneCollector, OpenAIMetrics, make_registry
+    from sluice.worker.metrics import WorkerMetrics
 
     worker = _exported(list(WorkerMetrics("q", "w").registry.collect()))
     _, requests = make_registry(lambda: None)  # type: ignore[arg-type,return-value]
@@ -365,7 +363,7 @@ def test_readme_sections() -> None:
     bench = section("Benchmarks")
     # The measured table sits beside the commands that reproduce it.
     assert "python bench/throughput.py" in bench and "| Sluice continuous" in bench
-    from jobs import keys
+    from sluice.jobs import keys
 
     assert "{<batch_id>}" in section("Redis layout and sharding") and "{<batch_id>}" in (keys.__doc__ or "")
 
@@ -419,8 +417,9 @@ def test_datasets_python_example_calls_what_the_api_has() -> None:
     import ast
     import inspect
 
+    from sluice.jobs.schemas import SamplingParams
+
     import sluice
-    from jobs.schemas import SamplingParams
 
     datasets = README.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]
     (example,) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", datasets, re.M | re.S) if lang == "python"]

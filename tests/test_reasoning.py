@@ -16,19 +16,18 @@ from click.testing import CliRunner
 from helpers import assert_greedy_matches, hf_greedy
 from openai.types.chat import ChatCompletion
 from reasoning_model import make_reasoning_model
-
-from cli.main import cli
-from engine.guided import apply_guided_masks
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, Request
-from engine.reasoning import Phase, ThinkState, find_parser, split_output
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import completion_body
-from jobs.schemas import Job
-from jobs.schemas import SamplingParams as JobParams
-from worker.convert import completion_to_result, job_to_request
+from sluice.cli.main import cli
+from sluice.engine.guided import apply_guided_masks
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import CompletionOutput, Request
+from sluice.engine.reasoning import Phase, ThinkState, find_parser, split_output
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import completion_body
+from sluice.jobs.schemas import Job
+from sluice.jobs.schemas import SamplingParams as JobParams
+from sluice.worker.convert import completion_to_result, job_to_request
 
 ASK = [{"role": "user", "content": "Is the sky blue?"}]
 OFF = {"enable_thinking": False}

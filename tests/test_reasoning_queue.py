@@ -13,8 +13,7 @@ from cli_api_helpers import sluice_home, tiny_worker
 from click.testing import CliRunner
 from openai.types.chat import ChatCompletion
 from reasoning_model import make_reasoning_model
-
-from cli.main import cli
+from sluice.cli.main import cli
 
 ASK = [{"role": "user", "content": "Is the sky blue?"}]
 

@@ -18,14 +18,13 @@ from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, result_entries, wait_for
 from paced import PacedLLM
 from reliability_helpers import final, pending, run_to_end, tiny
-
-from engine.llm import LLM
-from jobs import keys
-from jobs.housekeeping import housekeep
-from jobs.lines import LineError, parse_line
-from jobs.scripts import Scripts, requeue
-from jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth, read_results
-from jobs.submit import _Submission, submit
+from sluice.engine.llm import LLM
+from sluice.jobs import keys
+from sluice.jobs.housekeeping import housekeep
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.scripts import Scripts, requeue
+from sluice.jobs.store import cancel_batch, dead_letters, expire_batch, get_batch, queue_depth, read_results
+from sluice.jobs.submit import _Submission, submit
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -258,9 +257,8 @@ def test_the_completion_forwarder_outlives_redis_refusing_the_put_back(r: redis.
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The broker refuses a signature and Redis then refuses to take the batch id back (full): the
     forwarder must keep the id, put it back later, and go on sending the ones after it."""
+    import sluice.jobs.celery_app as celery_app
     from kombu.exceptions import OperationalError
-
-    import jobs.celery_app as celery_app
 
     refused: list[str] = []
     sent: list[str] = []
@@ -294,9 +292,8 @@ def test_the_completion_forwarder_outlives_redis_refusing_the_put_back(r: redis.
 # ---- 2 and 3 through the API: a bad number is a 400, a full job server a 507 ---------------------------
 def test_the_api_rejects_nan_and_reports_a_full_job_server(r: redis.Redis, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
-
-    from api.app import create_app
-    from api.settings import Settings
+    from sluice.api.app import create_app
+    from sluice.api.settings import Settings
 
     c = TestClient(create_app(Settings(api_key=None, files_dir=tmp_path / "files")))
     nan = c.post("/v1/jobs", content=b'{"prompt": "x", "deadline": NaN}', headers={"content-type": "application/json"})
@@ -313,7 +310,7 @@ def test_the_api_rejects_nan_and_reports_a_full_job_server(r: redis.Redis, tmp_p
 
 # ---- also: a line that is not UTF-8 is rejected by its number, everywhere -------------------------------
 def test_a_line_that_is_not_utf8_is_a_bad_line_in_celery_and_cli_reads(r: redis.Redis, tmp_path: Path) -> None:
-    from jobs.celery_app import _read
+    from sluice.jobs.celery_app import _read
 
     f = tmp_path / "in.jsonl"
     f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n{"prompt": "also fine"}\n')
@@ -355,7 +352,7 @@ def _writes_through_a_stall(r: redis.Redis, model_dir: Path, stall: Stall, **opt
 def test_a_long_housekeeping_pass_does_not_hold_up_writes(r: redis.Redis, tiny_model_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass over thousands of open batches takes seconds (8,000: 2.3 s measured); held here."""
-    from jobs.consumer import upkeep
+    from sluice.jobs.consumer import upkeep
 
     stall = Stall()
     monkeypatch.setattr(upkeep, "housekeep_if_due", lambda *a, **kw: stall.hold())
@@ -366,7 +363,7 @@ def test_a_results_disk_whose_fsync_stalls_does_not_hold_up_writes(r: redis.Redi
                                                                    tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Results spill to files after every result; the disk's fsync hangs until the test lets go."""
-    from jobs import spill
+    from sluice.jobs import spill
 
     monkeypatch.setenv("SLUICE_FILES_DIR", str(tmp_path / "files"))
     monkeypatch.setenv("SLUICE_RESULTS_SPILL", "1")

@@ -18,16 +18,15 @@ from cli_api_helpers import start_sluice
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
 from jobs_helpers import ROOT
-
-from api.app import create_app
-from api.settings import Settings
-from jobs import keys, spill
-from jobs.consumer.outbox import CHUNK, Writer
-from jobs.local_cluster import LocalCluster
-from jobs.scripts import Scripts, note_spilled
-from jobs.spill import Spill
-from jobs.store import delete_batch, get_batch, get_result, read_results
-from jobs.submit import submit
+from sluice.api.app import create_app
+from sluice.api.settings import Settings
+from sluice.jobs import keys, spill
+from sluice.jobs.consumer.outbox import CHUNK, Writer
+from sluice.jobs.local_cluster import LocalCluster
+from sluice.jobs.scripts import Scripts, note_spilled
+from sluice.jobs.spill import Spill
+from sluice.jobs.store import delete_batch, get_batch, get_result, read_results
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures", "cluster_fixtures"]
 

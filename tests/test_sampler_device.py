@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import TEST_DEVICE, fresh_seed
-
-from engine.counter_rng import exponential, row_key, uniform
-from engine.outputs import TokenLogprob
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from sluice.engine.counter_rng import exponential, row_key, uniform
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.sampler import sample
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
 
 # ---- the replaced sampler, row by row (engine/sampler.py before sampling moved to the device) -------
 

@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import fresh_seed, random_prompts, smollm2_tokenizer
-
-from engine.detokenizer import IncrementalDetokenizer
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampler import _filter
-from engine.sampling_params import SamplingParams
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampler import _filter
+from sluice.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +121,9 @@ def test_stop_string_in_generation(llm: LLM) -> None:
 def test_greedy_takes_the_first_of_tied_maxima(first_max: str) -> None:
     """As transformers' argmax does: on a tie the lowest token id wins (greedy parity depends on it); with
     torch's max and with the C++ argmax the runner passes on CPU."""
-    from engine.sampler import sample
-    from engine.sequence import Sequence
-    from kernels import cpu_fused
+    from sluice.engine.sampler import sample
+    from sluice.engine.sequence import Sequence
+    from sluice.kernels import cpu_fused
 
     rng = random.Random(fresh_seed())
     vocab = 49152
@@ -142,7 +141,7 @@ def test_greedy_takes_the_first_of_tied_maxima(first_max: str) -> None:
 def test_cpp_argmax_is_torch_max_on_ties_nan_and_infinities() -> None:
     """kernels/cpu/argmax.cpp against ``max(dim=-1).indices``: small integer logits (ties everywhere),
     rows of -inf, +inf, NaN (torch's max returns the first NaN), widths around the 16-lane chunks."""
-    from kernels.cpu_fused import argmax
+    from sluice.kernels.cpu_fused import argmax
 
     rng = random.Random(fresh_seed())
     for _ in range(100):

@@ -15,12 +15,11 @@ import pytest
 import torch
 from helpers import TEST_DEVICE, fresh_seed
 from scipy.stats import chisquare
-
-from engine import sampler
-from engine.counter_rng import mix64, mix64_tensor, row_key, uniform
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from sluice.engine import sampler
+from sluice.engine.counter_rng import mix64, mix64_tensor, row_key, uniform
+from sluice.engine.sampler import sample
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +35,7 @@ def kernels(request: pytest.FixtureRequest) -> Any:
         return None
     if TEST_DEVICE != "cpu":
         pytest.skip("the C++ ops are CPU ops")
-    from kernels import cpu_fused
+    from sluice.kernels import cpu_fused
 
     return cpu_fused
 
@@ -176,7 +175,7 @@ def test_unseeded_rows_follow_torchs_generator() -> None:
 def _cpu_ops() -> Any:
     if TEST_DEVICE != "cpu":
         return None
-    from kernels import cpu_fused
+    from sluice.kernels import cpu_fused
 
     return cpu_fused
 
@@ -186,7 +185,7 @@ def test_cpp_topk_and_block_sums_equal_torch() -> None:
     -inf and repeated values (ties: the lower id first)."""
     if TEST_DEVICE != "cpu":
         pytest.skip("the C++ ops are CPU ops")
-    from kernels.cpu_fused import exp_block_sums, topk_rows
+    from sluice.kernels.cpu_fused import exp_block_sums, topk_rows
 
     rng = random.Random(fresh_seed())
     for _ in range(60):

@@ -7,10 +7,9 @@ import random
 from pathlib import Path
 
 from helpers import fresh_seed, random_prompts
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int, **kw: object) -> Request:

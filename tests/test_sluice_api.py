@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker
+from sluice.jobs.datasets import Request, RowSpec, read_requests
+from sluice.jobs.datasets.readers import open_data
+from sluice.jobs.lines import parse_line
 
 import sluice
-from jobs.datasets import Request, RowSpec, read_requests
-from jobs.datasets.readers import open_data
-from jobs.lines import parse_line
 
 pytest_plugins = ["jobs_fixtures", "s3_fixtures"]  # `r`: the test's own Valkey; `s3`: a real S3 server
 
@@ -26,7 +26,7 @@ WORDS = ["river", "lamp", "cloud", "stone", "seven", "blue", "quiet", "north"]
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> Any:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     return LLM(str(tiny_model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory=8 << 20)
 
@@ -41,8 +41,8 @@ def frame(rng: random.Random, n: int) -> pd.DataFrame:
 def reference(llm: Any, data: Any, spec: RowSpec, **defaults: Any) -> dict[str, str]:
     """What the engine itself answers for the same requests (greedy, one run): the completions the API
     must join to each row."""
-    from jobs.schemas import SamplingParams
-    from worker.convert import job_to_request
+    from sluice.jobs.schemas import SamplingParams
+    from sluice.worker.convert import job_to_request
 
     jobs = [parse_line(i.line, i.row + 1, SamplingParams(**defaults)) for i in read_requests(open_data(data), spec)
             if isinstance(i, Request)]
@@ -126,7 +126,7 @@ def test_bad_options_are_clear(llm: Any) -> None:
 # Paced (tests/paced.py): 750 steps, 15 s at the least, so the run is still going when the test kills it.
 _KILLED_GENERATE = """
 import sys
-sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+sys.path.insert(0, {root!r} + "/tests")  # the package itself is installed (sluice.*)
 import paced
 import sluice
 paced.pace_every_engine()
@@ -195,7 +195,7 @@ def test_generate_resumes_after_kill_9_with_every_row_exactly_once(llm: Any, tin
 def test_generate_feeds_the_engine_a_window_at_a_time(llm: Any) -> None:
     """The rows are read as the engine has room: never more than two requests per engine slot wait in
     it, so a large source is not turned into requests all at once."""
-    from worker.generate_rows import WINDOW_PER_SEQ
+    from sluice.worker.generate_rows import WINDOW_PER_SEQ
 
     df = frame(random.Random(fresh_seed()), 90).drop(columns=["max_tokens"])
     state = {"open": 0, "peak": 0}

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from engine.startup_clock import StartupClock, parse_line
+from sluice.engine.startup_clock import StartupClock, parse_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_clock_line_parses_back() -> None:
     clock = StartupClock()
     for phase in ("config", "weights", "config"):
         clock.lap(phase)
-    parsed = parse_line("INFO engine.llm: " + clock.line())
+    parsed = parse_line("INFO sluice.engine.llm: " + clock.line())
     assert parsed is not None
     assert list(parsed) == ["total", "config", "weights"]
     assert abs(parsed["config"] - round(clock.phases["config"], 2)) < 1e-9
@@ -37,9 +37,9 @@ def test_bench_phases_from_a_log() -> None:
     log = "\n".join([
         "@100.0000 STARTUP python",
         "@100.5000 STARTUP imported",
-        "@101.0000 INFO engine.linear: linear layers: onednn-packed (211 replaced): x (measured earlier: /c/gemm.json)",
-        "@101.1000 INFO engine.llm: dtype auto: float32 on this CPU: y",
-        "@103.0000 INFO engine.llm: start-up in 1.50 s: config 0.20, weights 1.00, kv_cache 0.30",
+        "@101.0000 INFO sluice.engine.linear: linear layers: onednn-packed (211 replaced): x (measured earlier: /c/gemm.json)",
+        "@101.1000 INFO sluice.engine.llm: dtype auto: float32 on this CPU: y",
+        "@103.0000 INFO sluice.engine.llm: start-up in 1.50 s: config 0.20, weights 1.00, kv_cache 0.30",
     ])
     row = bench.phases(log, t_spawn=99.9, t_first=103.25)  # type: ignore[attr-defined]
     assert abs(row["interpreter"] - 0.1) < 1e-6

@@ -16,13 +16,12 @@ import pytest
 import redis
 from helpers import fresh_seed, make_tiny_model, random_prompts
 from jobs_helpers import assert_exactly_once, held_by, prompt_lines, wait_for, worker_process
-
-from engine.llm import LLM
-from engine.outputs import Request
-from engine.parallel.worker_procs import EXIT_RANK_DIED
-from engine.sampling_params import SamplingParams
-from jobs.store import get_batch, list_workers
-from jobs.submit import submit
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.parallel.worker_procs import EXIT_RANK_DIED
+from sluice.engine.sampling_params import SamplingParams
+from sluice.jobs.store import get_batch, list_workers
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -127,7 +126,7 @@ def test_a_rank_killed_mid_batch_takes_its_worker_down_and_every_job_completes_o
 
 
 def _done(r: redis.Redis, batch_id: str) -> int:
-    from jobs import keys
+    from sluice.jobs import keys
 
     return r.hlen(keys.done(batch_id))
 
@@ -155,7 +154,7 @@ def _alive(pid: int) -> bool:
 
 _COLLECTIVE_FAILS = """
 import subprocess, sys
-from engine.parallel.worker_procs import DriverModel, RankProcesses
+from sluice.engine.parallel.worker_procs import DriverModel, RankProcesses
 procs = RankProcesses.__new__(RankProcesses)  # no ranks spawned, no watchdog: only the collective path can act
 procs.stopping = False
 procs.procs = {{1: subprocess.Popen([sys.executable, "-c", "{rank}"])}}

@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_greedy_matches, fresh_seed, hf_greedy, make_tiny_model, random_prompts
+from sluice.engine.llm import LLM
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 from transformers import AutoModelForCausalLM
-
-from engine.llm import LLM
-from engine.models.base import UnsupportedModelError
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
 
 WINDOW = 12  # shorter than every prompt below
 ARCHS: dict[str, dict[str, Any]] = {
@@ -149,10 +148,9 @@ def test_cli_refuses_an_encoder_decoder_in_one_line(command: str, tmp_path: Path
     with the reason on one line, no traceback."""
     from cli_api_helpers import sluice_home
     from click.testing import CliRunner
+    from sluice.cli.common import EXIT_USER_ERROR
+    from sluice.cli.main import cli
     from transformers import BartConfig
-
-    from cli.common import EXIT_USER_ERROR
-    from cli.main import cli
 
     BartConfig(vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(tmp_path / "bart")
     src = tmp_path / "in.jsonl"
@@ -167,7 +165,7 @@ def test_cli_refuses_an_encoder_decoder_in_one_line(command: str, tmp_path: Path
 
 
 def _queued(r: Any, queue: str, n: int) -> Any:
-    from jobs.submit import submit
+    from sluice.jobs.submit import submit
 
     return submit([json.dumps({"custom_id": f"j{i}", "prompt": f"p {i}", "priority": i % 2}) for i in range(n)],
                   r=r, model=queue)
@@ -175,16 +173,15 @@ def _queued(r: Any, queue: str, n: int) -> Any:
 
 def _left(r: Any, batch_id: str) -> int:
     """Entries still in the batch's job streams, delivered (pending) or not."""
-    from jobs import keys
-    from jobs.store import priorities
+    from sluice.jobs import keys
+    from sluice.jobs.store import priorities
 
     return sum(r.xlen(keys.jobs(batch_id, p)) for p in priorities(r, batch_id))
 
 
 def _refusing_worker(model: Path, *args: str) -> Any:
     from click.testing import CliRunner
-
-    from cli.main import cli
+    from sluice.cli.main import cli
 
     return CliRunner().invoke(cli, ["worker", "--model", str(model), "--exit-when-idle", "0", *args])
 
@@ -194,11 +191,10 @@ def test_a_refused_worker_fails_the_jobs_waiting_for_its_model(tmp_path: Path) -
     new or left pending by a dead worker, one failed outcome naming the architecture: the batch completes."""
     from cli_api_helpers import sluice_home
     from jobs_helpers import assert_exactly_once
+    from sluice.jobs.connection import connect
+    from sluice.jobs.consumer import commands as consumer
+    from sluice.jobs.store import get_batch, queue_depth
     from transformers import T5Config
-
-    from jobs.connection import connect
-    from jobs.consumer import commands as consumer
-    from jobs.store import get_batch, queue_depth
 
     model = tmp_path / "t5"
     T5Config(vocab_size=100, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8).save_pretrained(model)
@@ -222,11 +218,10 @@ def test_a_refused_worker_fails_the_jobs_waiting_for_its_model(tmp_path: Path) -
 def test_a_refused_worker_leaves_the_jobs_of_a_queue_a_live_worker_serves(tmp_path: Path) -> None:
     """A misconfigured worker on a shared ``--queue``: the live worker there may run the jobs, so they stay."""
     from cli_api_helpers import sluice_home
+    from sluice.jobs.connection import connect
+    from sluice.jobs.consumer import commands as consumer
+    from sluice.jobs.store import get_batch, queue_depth
     from transformers import BartConfig
-
-    from jobs.connection import connect
-    from jobs.consumer import commands as consumer
-    from jobs.store import get_batch, queue_depth
 
     model = tmp_path / "bart"
     BartConfig(vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(model)
@@ -242,8 +237,8 @@ def test_a_refused_worker_leaves_the_jobs_of_a_queue_a_live_worker_serves(tmp_pa
 def test_kv_cache_is_sized_and_allocated_per_layer() -> None:
     """Layers that keep different K/V shapes (Gemma 3n, OpenELM) each get their own; one block id
     means the same block in every layer."""
-    from engine.attention import LayerKVSpec
-    from engine.model_runner import allocate_kv_caches, kv_bytes_per_block
+    from sluice.engine.attention import LayerKVSpec
+    from sluice.engine.model_runner import allocate_kv_caches, kv_bytes_per_block
 
     spec = [LayerKVSpec(2, 16), LayerKVSpec(1, 64), LayerKVSpec(4, 8)]
     assert kv_bytes_per_block(spec, 16, torch.bfloat16) == 2 * 16 * (32 + 64 + 32) * 2

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from sluice.engine import cpu_dtype, linear, tuning_cache
 from transformers import LlamaConfig
-
-from engine import cpu_dtype, linear, tuning_cache
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
                    num_hidden_layers=2, vocab_size=512)

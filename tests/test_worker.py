@@ -29,12 +29,11 @@ from jobs_helpers import (
     wait_for,
     worker_process,
 )
-
-from engine.llm import LLM
-from jobs import keys
-from jobs.connection import ensure_server, stop_server
-from jobs.store import cancel_batch, dead_letters, get_batch, output_lines, queue_depth
-from jobs.submit import submit
+from sluice.engine.llm import LLM
+from sluice.jobs import keys
+from sluice.jobs.connection import ensure_server, stop_server
+from sluice.jobs.store import cancel_batch, dead_letters, get_batch, output_lines, queue_depth
+from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
 

@@ -1,4 +1,4 @@
-"""``python -m worker --model M``: a worker without the CLI (the CLI's ``sluice worker`` calls ``run_worker``)."""
+"""``python -m sluice.worker --model M``: a worker without the CLI (the CLI's ``sluice worker`` calls ``run_worker``)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import logging
 import sys
 from dataclasses import asdict
 
-from engine.models.base import UnsupportedModelError
-from jobs.keys import parse_lora_module
-from jobs.units import parse_size
-from worker.isolation import EngineSick
-from worker.run import run_worker
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.jobs.keys import parse_lora_module
+from sluice.jobs.units import parse_size
+from sluice.worker.isolation import EngineSick
+from sluice.worker.run import run_worker
 
 EXIT_ENGINE_SICK = 3  # the engine fails even alone: a supervisor (compose, systemd) should restart us
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m sluice.worker", description=__doc__)
     p.add_argument("--model", default=None, help="model path or name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--queue", default=None, help="queue to serve (default: the --model string)")
     p.add_argument("--worker-id", default=None)

@@ -10,11 +10,20 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from engine.outputs import Completion, CompletionOutput, Request
-from engine.outputs import TokenLogprob as EngineLogprob
-from engine.sampling_params import SamplingParams as EngineParams
-from jobs.lines import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from jobs.schemas import Choice, ErrorInfo, Job, Result, ResultTimings, ResultUsage, TokenLogprob, TopLogprob
+from sluice.engine.outputs import Completion, CompletionOutput, Request
+from sluice.engine.outputs import TokenLogprob as EngineLogprob
+from sluice.engine.sampling_params import SamplingParams as EngineParams
+from sluice.jobs.lines import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from sluice.jobs.schemas import (
+    Choice,
+    ErrorInfo,
+    Job,
+    Result,
+    ResultTimings,
+    ResultUsage,
+    TokenLogprob,
+    TopLogprob,
+)
 
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 

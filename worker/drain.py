@@ -9,10 +9,10 @@ import threading
 import time
 from typing import Any
 
-from jobs.consumer.session import ConsumerSession
-from worker.held import Held
-from worker.isolation import Isolation
-from worker.options import WorkerOptions, WorkerReport
+from sluice.jobs.consumer.session import ConsumerSession
+from sluice.worker.held import Held
+from sluice.worker.isolation import Isolation
+from sluice.worker.options import WorkerOptions, WorkerReport
 
 log = logging.getLogger(__name__)
 

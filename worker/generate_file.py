@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.config import EngineConfig
-from engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
-from engine.embedding_model import is_embedding_model
-from engine.llm import LLM
-from engine.outputs import Completion
-from jobs.jsonl import values_in
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import ErrorInfo, Job, Result, SamplingParams
-from worker.kinds import EMBEDDING, engine_request, engine_result, serves
-from worker.progress import generate
-from worker.run import embedding_kwargs
+from sluice.engine.config import EngineConfig
+from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
+from sluice.engine.embedding_model import is_embedding_model
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion
+from sluice.jobs.jsonl import values_in
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import ErrorInfo, Job, Result, SamplingParams
+from sluice.worker.kinds import EMBEDDING, engine_request, engine_result, serves
+from sluice.worker.progress import generate
+from sluice.worker.run import embedding_kwargs
 
 
 @dataclass

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jobs.datasets import ResultsWriter, RowError, RowSpec, Source, WriteSummary, read_requests
-from jobs.lines import LineError, parse_line
-from jobs.openai_output import result_to_output_line
-from jobs.schemas import Job, SamplingParams
+from sluice.jobs.datasets import ResultsWriter, RowError, RowSpec, Source, WriteSummary, read_requests
+from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.schemas import Job, SamplingParams
 
 WINDOW_PER_SEQ = 2  # requests read ahead per engine slot: the scheduler always has the next ones waiting
 
@@ -33,9 +33,8 @@ def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: 
              total: int | None = None) -> None:
     """Feed ``jobs`` to ``engine`` a window at a time (read on as requests finish) and give each result
     to ``writer`` as it finishes."""
+    from sluice.worker.convert import completion_to_result, job_to_request
     from tqdm import tqdm
-
-    from worker.convert import completion_to_result, job_to_request
 
     vocab = getattr(getattr(engine, "hf_config", None), "vocab_size", None)
     window = WINDOW_PER_SEQ * getattr(getattr(engine, "config", None), "max_num_seqs", 64)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.consumer.commands import Delivery
-from jobs.schemas import Job
+from sluice.jobs.consumer.commands import Delivery
+from sluice.jobs.schemas import Job
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
 
 H = TypeVar("H")
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.embedding_engine import EmbeddingOutput, EmbeddingRequest
-from engine.outputs import Completion, Request
-from jobs.embeddings import encode_base64
-from jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
-from worker.convert import completion_to_result, job_to_request
-from worker.lora import job_adapter
+from sluice.engine.embedding_engine import EmbeddingOutput, EmbeddingRequest
+from sluice.engine.outputs import Completion, Request
+from sluice.jobs.embeddings import encode_base64
+from sluice.jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
+from sluice.worker.convert import completion_to_result, job_to_request
+from sluice.worker.lora import job_adapter
 
 GENERATION, EMBEDDING = "generation", "embedding"
 
 
 def serves(engine: Any) -> str:
-    """``embedding`` for an EmbeddingEngine, ``generation`` for engine.llm.LLM (which has no such field)."""
+    """``embedding`` for an EmbeddingEngine, ``generation`` for sluice.engine.llm.LLM (which has no such field)."""
     return getattr(engine, "serves", GENERATION)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.keys import split_model
+from sluice.jobs.keys import split_model
 
 
 def adapter_names(engine: Any) -> list[str]:

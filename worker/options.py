@@ -1,6 +1,6 @@
 """What a worker is told (WorkerOptions) and what it reports when it stops (WorkerReport).
 
-WorkerOptions holds the one set of defaults: ``run_worker``, ``python -m worker`` and ``sluice worker``
+WorkerOptions holds the one set of defaults: ``run_worker``, ``python -m sluice.worker`` and ``sluice worker``
 pass on only what they were given."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from engine.protocol import Engine
-from jobs.consumer.session import SessionSettings, SessionStats
-from jobs.housekeeping import RESULTS_TTL
+from sluice.engine.protocol import Engine
+from sluice.jobs.consumer.session import SessionSettings, SessionStats
+from sluice.jobs.housekeeping import RESULTS_TTL
 
 EngineFactory = Callable[[], Engine]
 

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.llm import LLM
-from engine.outputs import Completion, Request
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion, Request
 
 
 class Progress:

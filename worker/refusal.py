@@ -12,8 +12,8 @@ import logging
 import os
 import socket
 
-from jobs.consumer.session import CONNECT_ERRORS, JOB_SERVER_ERRORS, ConsumerSession, SessionSettings
-from worker.options import WorkerOptions
+from sluice.jobs.consumer.session import CONNECT_ERRORS, JOB_SERVER_ERRORS, ConsumerSession, SessionSettings
+from sluice.worker.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 

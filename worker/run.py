@@ -1,5 +1,5 @@
 """``run_worker``: build the engine, then serve a queue with it (the CLI's ``sluice worker`` and
-``python -m worker`` call this)."""
+``python -m sluice.worker`` call this)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import threading
 from dataclasses import fields
 from typing import Any
 
-from engine.protocol import Engine
-from jobs.keys import queue_name
-from worker.options import WorkerOptions, WorkerReport
-from worker.refusal import fail_waiting_jobs
-from worker.worker import Worker
+from sluice.engine.protocol import Engine
+from sluice.jobs.keys import queue_name
+from sluice.worker.options import WorkerOptions, WorkerReport
+from sluice.worker.refusal import fail_waiting_jobs
+from sluice.worker.worker import Worker
 
 
 def run_worker(model: str | None = None, *, queue: str | None = None, stop_event: threading.Event | None = None,
@@ -29,14 +29,14 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     o = WorkerOptions(queue=queue or queue_name(model), **{k: v for k, v in kwargs.items() if k in names})
     factory = None
     if llm is None:
-        from engine.embedding_model import is_embedding_model
-        from engine.models.base import UnsupportedModelError
+        from sluice.engine.embedding_model import is_embedding_model
+        from sluice.engine.models.base import UnsupportedModelError
 
         def factory() -> Engine:
             if model is not None and is_embedding_model(model):
-                from engine.embedding_engine import EmbeddingEngine
+                from sluice.engine.embedding_engine import EmbeddingEngine
                 return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
-            from engine.llm import LLM
+            from sluice.engine.llm import LLM
             return LLM(model, **engine_kwargs)
 
         try:
@@ -50,7 +50,7 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
 def embedding_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The engine options an embedding engine has (the CLI's KV cache, policy, ... are generation's);
     dtype "auto" is float32 there."""
-    from engine.embedding_engine import EmbeddingConfig
+    from sluice.engine.embedding_engine import EmbeddingConfig
 
     names = {f.name for f in fields(EmbeddingConfig)}
     out = {k: v for k, v in engine_kwargs.items() if k in names}

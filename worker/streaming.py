@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.protocol import Engine
-from jobs.consumer.commands import Delivery
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.protocol import Engine
+from sluice.jobs.consumer.commands import Delivery
 
 
 def streams_text(d: Delivery) -> bool:

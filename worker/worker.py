@@ -17,19 +17,19 @@ import threading
 import time
 from typing import Any
 
-from engine.embedding_engine import EmbeddingOutput
-from engine.outputs import Completion
-from engine.protocol import Engine
-from jobs.consumer.session import ConsumerSession
-from worker.drain import Draining
-from worker.held import Held
-from worker.isolation import EngineSick, Isolation, culprit_error
-from worker.kinds import engine_request, engine_result, probe_request, serves
-from worker.lora import adapter_names, job_adapter
-from worker.metrics import WorkerMetrics
-from worker.options import EngineFactory, WorkerOptions, WorkerReport
-from worker.puller import Puller, default_lookahead
-from worker.streaming import TextStreams
+from sluice.engine.embedding_engine import EmbeddingOutput
+from sluice.engine.outputs import Completion
+from sluice.engine.protocol import Engine
+from sluice.jobs.consumer.session import ConsumerSession
+from sluice.worker.drain import Draining
+from sluice.worker.held import Held
+from sluice.worker.isolation import EngineSick, Isolation, culprit_error
+from sluice.worker.kinds import engine_request, engine_result, probe_request, serves
+from sluice.worker.lora import adapter_names, job_adapter
+from sluice.worker.metrics import WorkerMetrics
+from sluice.worker.options import EngineFactory, WorkerOptions, WorkerReport
+from sluice.worker.puller import Puller, default_lookahead
+from sluice.worker.streaming import TextStreams
 
 log = logging.getLogger(__name__)
 

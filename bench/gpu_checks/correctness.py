@@ -36,10 +36,9 @@ def _check_case(
 ) -> dict[str, float]:
     """Relative errors of kv write (0 or inf), decode (default and 3 splits) and prefill for one shape."""
     import torch
-
-    from kernels.kv_write import store_kvcache
-    from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-    from kernels.reference import paged_attention_reference, relative_error
+    from sluice.kernels.kv_write import store_kvcache
+    from sluice.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+    from sluice.kernels.reference import paged_attention_reference, relative_error
 
     dev, dtype = plan.device, getattr(torch, dtype_name)
     lens = _ragged(rng, plan.check_batch, plan.check_max_len)
@@ -95,8 +94,7 @@ def head_major_cache(plan: Plan, num_blocks: int, bs: int, hkv: int, d: int, dty
     """The engine's cache layout: on the GPU ``allocate_kv`` itself; on CPU its CUDA branch (torch.empty,
     head-major, viewed ``[num_blocks, bs, hkv, d]``), since the CPU branch would touch every page."""
     import torch
-
-    from engine.attention import allocate_kv
+    from sluice.engine.attention import allocate_kv
 
     if plan.device == "cuda":
         return allocate_kv(num_blocks, bs, hkv, d, dtype, torch.device("cuda"))
@@ -108,10 +106,9 @@ def check_big_cache(plan: Plan, rng: random.Random, dtype_name: str) -> float:
     heads, each head's plane past 2**30 elements: blocks at the far end and head 2 sit past 2**31, reachable
     only with int64 offsets. Returns the worst relative error (inf if the write lost a value)."""
     import torch
-
-    from kernels.kv_write import store_kvcache
-    from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-    from kernels.reference import paged_attention_reference, relative_error
+    from sluice.kernels.kv_write import store_kvcache
+    from sluice.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+    from sluice.kernels.reference import paged_attention_reference, relative_error
 
     dev, dtype, bs, hkv, d, group = plan.device, getattr(torch, dtype_name), 16, 3, 64, 4
     num_blocks = 2**30 // (bs * d) + 64

@@ -32,9 +32,9 @@ def _rel(a: Any, b: Any) -> float:
 def engine_prompt_logits(llm: Any, prompts: list[list[int]]) -> tuple[list[Any], list[Any]]:
     """Every position's logits of each prompt, as one engine prefill step computes them (through the
     runner, into the engine's own cache); leaves the sequences computed and returns them for a decode."""
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
+    from sluice.engine.sampling_params import SamplingParams
+    from sluice.engine.scheduler import ScheduledBatch
+    from sluice.engine.sequence import Sequence
 
     runner, bs = llm.runner, llm.config.block_size
     batch, blocks = ScheduledBatch(), 0
@@ -55,8 +55,8 @@ def engine_prompt_logits(llm: Any, prompts: list[list[int]]) -> tuple[list[Any],
 def engine_decode_logits(llm: Any, seqs: list[Any], next_ids: list[int]) -> dict[str, Any]:
     """One decode step's logits three ways: through the decode runner (a captured graph's replay on CUDA),
     the same bucket run eagerly on the same static inputs, and the unpadded eager step."""
-    from engine.graph_runner import bucket_for
-    from engine.scheduler import ScheduledBatch
+    from sluice.engine.graph_runner import bucket_for
+    from sluice.engine.scheduler import ScheduledBatch
 
     runner = llm.runner
     batch = ScheduledBatch()
@@ -78,9 +78,8 @@ def check_engine_logits(plan: Plan, model_dir: str, work: list[tuple[list[int], 
     import gc
 
     import torch
+    from sluice.engine.llm import LLM
     from transformers import AutoModelForCausalLM
-
-    from engine.llm import LLM
 
     dev, dtype = plan.device, getattr(torch, plan.model_dtype)
     prompts = [p[: plan.logit_len] for p, _ in work[:3]]
@@ -168,11 +167,10 @@ def check_engine_runs(plan: Plan, model_dir: str, rng: random.Random) -> None:
     """On a small float32 model: greedy tokens as transformers'; a seeded sampled batch alone vs batched
     and twice; prefix caching and preemption token-identical to a plain run."""
     import torch
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
 
     dev = plan.device
     small = build_small_model(plan, Path(model_dir).parent / "small", model_dir, rng.randrange(2**31))

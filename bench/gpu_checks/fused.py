@@ -36,9 +36,8 @@ def check_fused(plan: Plan, rows: Reporter) -> bool:
     """Residual add + RMSNorm and rotary at Llama-3.2-1B's sizes: error against the eager model code
     computed in float32, and time against that eager code (where the fusion pays, if anywhere)."""
     import torch
-
-    from kernels.fused import apply_rotary, rms_norm
-    from kernels.reference import relative_error
+    from sluice.kernels.fused import apply_rotary, rms_norm
+    from sluice.kernels.reference import relative_error
 
     hidden, hq, hkv, d, dev = 2048, 32, 8, 64, plan.device
     cos, sin = torch.rand(4096, d, device=dev), torch.rand(4096, d, device=dev)

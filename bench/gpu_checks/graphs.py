@@ -16,8 +16,7 @@ def child_graphs(plan: Plan, model_dir: str, work: list[tuple[list[int], int]]) 
     import gc
 
     import torch
-
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     cuda = plan.device == "cuda"
     report: dict[str, Any] = {}
@@ -52,9 +51,8 @@ def _time_decode_steps(plan: Plan, llm: Any, mode: str) -> tuple[dict[str, float
     finish or wait while the clock runs (max_tokens reaches the length limit; all are aborted after):
     each timed step is checked to run exactly ``b`` sequences, every one of them a decode."""
     import torch
-
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     step_ms: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}

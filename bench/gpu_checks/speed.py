@@ -50,8 +50,7 @@ def bench_decode(plan: Plan, copy_gbs: float, rows: Reporter) -> None:
 def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> tuple[Row, dict[str, Any]]:
     """Every sequence at ``ctx`` tokens, blocks shuffled as a long-running cache leaves them."""
     import torch
-
-    from kernels.paged_attention import paged_decode_attention, pick_num_splits
+    from sluice.kernels.paged_attention import paged_decode_attention, pick_num_splits
 
     hq, hkv, d, bs = 32, 8, 64, 16  # Llama-3.2-1B's attention
     dtype = getattr(torch, plan.decode_dtype)
@@ -88,8 +87,7 @@ def _decode_point(plan: Plan, batch: int, ctx: int, copy_gbs: float) -> tuple[Ro
 def bench_prefill(plan: Plan, rows: Reporter) -> None:
     import torch
     import torch.nn.functional as F
-
-    from kernels.paged_attention import paged_prefill_attention
+    from sluice.kernels.paged_attention import paged_prefill_attention
 
     hq, hkv, d, bs = 32, 8, 64, 16
     dtype = getattr(torch, plan.decode_dtype)

@@ -15,10 +15,9 @@ def tensor_parallel_section(plan: Plan, prep: Prepared, rng: random.Random, rows
     model, with preemption and chunked prefill. Needs two devices: NCCL cannot put two ranks on one GPU, so on
     a one-GPU machine the row says it was skipped."""
     import torch
-
-    from engine.llm import LLM
-    from engine.outputs import Request
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
 
     if plan.device == "cuda" and torch.cuda.device_count() < 2:
         rows.append(("tp", "TP=2 vs TP=1 greedy tokens", "SKIP", f"{torch.cuda.device_count()} CUDA device: TP=2 "

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from sluice.engine.lora.adapters import LoraAdapter, Target
 from torch import nn
-
-from engine.lora.adapters import LoraAdapter, Target
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,7 @@ class LoraHook:
             _expand(out[start:end], s, f)
 
     def _cpu_op(self, x: torch.Tensor, out: torch.Tensor, step: CpuStep) -> None:
-        from kernels.cpu_ops import lora_add_
+        from sluice.kernels.cpu_ops import lora_add_
 
         stack = self._stacked(step)
         if stack is not None:
@@ -181,7 +180,7 @@ class LoraHook:
         return fused
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep) -> None:
-        from kernels.lora import lora_delta_
+        from sluice.kernels.lora import lora_delta_
 
         assert step.kernel is not None
         for target, offset, width in self.parts:

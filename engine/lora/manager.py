@@ -7,11 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import nn
-
-from engine.lora.adapters import AdapterCache, LoraAdapter, Target
-from engine.lora.batch import adapter_runs
-from engine.lora.layers import (
+from sluice.engine.lora.adapters import AdapterCache, LoraAdapter, Target
+from sluice.engine.lora.batch import adapter_runs
+from sluice.engine.lora.layers import (
     CpuStep,
     KernelStep,
     LoraHook,
@@ -20,6 +18,7 @@ from engine.lora.layers import (
     native_targets,
     transformers_targets,
 )
+from torch import nn
 
 
 class LoraManager:

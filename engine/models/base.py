@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
+from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 
 
 class UnsupportedModelError(ValueError):

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 from torch import nn
-
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 
 
 class RMSNorm(nn.Module):

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.models import llama
+from sluice.engine.models import llama
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from engine.models import llama
-from engine.models.base import CausalLM, UnsupportedModelError
+from sluice.engine.models import llama
+from sluice.engine.models.base import CausalLM, UnsupportedModelError
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 # Decoder-only architectures the test suite checks token for token against transformers' generate.
@@ -34,6 +33,6 @@ def build_model(hf: Any, impl: str, max_positions: int, device: torch.device, dt
         net = llama.build_model(hf.config, max_positions, device, dtype)
         net.load_hf_state_dict(hf.state_dict())
         return net.eval()
-    from engine.models.transformers_model import build_transformers_model
+    from sluice.engine.models.transformers_model import build_transformers_model
 
     return build_transformers_model(hf, device, dtype)

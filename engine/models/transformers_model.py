@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
+from sluice.engine.models.base import UnsupportedModelError
 from torch import nn
-
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
-from engine.models.base import UnsupportedModelError
 
 ATTN_IMPL = "sluice"
 STEP_KWARG = "sluice_step"

@@ -12,15 +12,14 @@ import os
 from typing import Any, cast
 
 import torch
+from sluice.engine.config import EngineConfig
+from sluice.engine.linear import pick_cpu_linear, use_cpu_linear
+from sluice.engine.loader import ModelSource, dense_path, load_config, load_hf_model
+from sluice.engine.models.select import build_model, pick_model_impl
+from sluice.engine.parallel.layers import check_divisible, shard_llama
+from sluice.engine.parallel.state import ParallelState, rank_device
+from sluice.engine.parallel.worker_procs import DriverModel, start
 from torch import nn
-
-from engine.config import EngineConfig
-from engine.linear import pick_cpu_linear, use_cpu_linear
-from engine.loader import ModelSource, dense_path, load_config, load_hf_model
-from engine.models.select import build_model, pick_model_impl
-from engine.parallel.layers import check_divisible, shard_llama
-from engine.parallel.state import ParallelState, rank_device
-from engine.parallel.worker_procs import DriverModel, start
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +64,9 @@ def shard_native(net: nn.Module, ps: ParallelState) -> nn.Module:
 def load_transformers_shard(src: ModelSource, dtype: torch.dtype, device: torch.device, ps: ParallelState) -> nn.Module:
     """This rank's shard by transformers' own plan; every rank must call this at the same time (the load and
     the model wrapper's probe forward are collective)."""
+    from sluice.engine.models.transformers_model import build_transformers_model
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
-
-    from engine.models.transformers_model import build_transformers_model
 
     # transformers sizes its mesh from these variables, not from the group: unset, rank 0 would make a
     # mesh of one and never meet the others.

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sluice.engine.parallel.state import ParallelState
 from torch import nn
-
-from engine.parallel.state import ParallelState
 
 
 class RowParallelLinear(nn.Module):
@@ -85,7 +84,7 @@ def check_divisible(config: Any, world_size: int, names: tuple[str, ...]) -> Non
 
 @torch.no_grad()
 def shard_llama(net: Any, ps: ParallelState) -> None:
-    """Keep this rank's shard of every layer of a loaded ``engine.models.llama.LlamaForCausalLM``, in place."""
+    """Keep this rank's shard of every layer of a loaded ``sluice.engine.models.llama.LlamaForCausalLM``, in place."""
     check_divisible(net.config, ps.world_size, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
     for layer in net.layers:
         _shard_attention(layer.self_attn, ps)

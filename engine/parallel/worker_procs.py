@@ -35,12 +35,11 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
+from sluice.engine.config import EngineConfig
+from sluice.engine.parallel import state
+from sluice.engine.parallel.state import ParallelState
 from torch import nn
-
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
-from engine.config import EngineConfig
-from engine.parallel import state
-from engine.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class RankProcesses:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = False
         for rank in range(1, spec.world_size):
-            cmd = [sys.executable, "-m", "engine.parallel.worker_procs", str(rank), json.dumps(dataclasses.asdict(spec))]
+            cmd = [sys.executable, "-m", "sluice.engine.parallel.worker_procs", str(rank), json.dumps(dataclasses.asdict(spec))]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
             self.procs[rank] = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
             log.info("tensor parallel: rank %d is pid %d", rank, self.procs[rank].pid)
@@ -264,9 +263,9 @@ def rank_threads(device: torch.device, world: int) -> int:
 
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------------
 def rank_main(rank: int, spec: RankSpec) -> None:
-    from engine.loader import ModelSource
-    from engine.model_runner import allocate_kv_caches, elementwise_kernels, make_backend
-    from engine.parallel.build import build_shard
+    from sluice.engine.loader import ModelSource
+    from sluice.engine.model_runner import allocate_kv_caches, elementwise_kernels, make_backend
+    from sluice.engine.parallel.build import build_shard
 
     _exit_with_parent(spec.parent_pid)
     config = EngineConfig(**spec.config)

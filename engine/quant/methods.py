@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from engine.config import QUANTIZATIONS
-from engine.models.base import UnsupportedModelError
-from engine.models.select import pick_model_impl
+from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.models.select import pick_model_impl
 
 _TRANSFORMERS_ONLY = ("w8a8", "int4")
 

@@ -8,12 +8,11 @@ from collections import deque
 
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from jobs.connection import connect
-from jobs.consumer import commands as consumer
-from jobs.consumer.background import Background
-from jobs.consumer.commands import CancelEvent
-from jobs.consumer.link import Link
+from sluice.jobs.connection import connect
+from sluice.jobs.consumer import commands as consumer
+from sluice.jobs.consumer.background import Background
+from sluice.jobs.consumer.commands import CancelEvent
+from sluice.jobs.consumer.link import Link
 
 BLOCK_MS = 250  # one blocking read; also how long it takes to notice a stop
 

@@ -15,12 +15,11 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
-
-from jobs import keys
-from jobs import scripts as script
-from jobs.pipes import NodePipes
-from jobs.schemas import Job
-from jobs.scripts import Scripts
+from sluice.jobs import keys
+from sluice.jobs import scripts as script
+from sluice.jobs.pipes import NodePipes
+from sluice.jobs.schemas import Job
+from sluice.jobs.scripts import Scripts
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from jobs.consumer import commands as consumer
-from jobs.consumer.background import Background
-from jobs.consumer.link import Link
+from sluice.jobs.consumer import commands as consumer
+from sluice.jobs.consumer.background import Background
+from sluice.jobs.consumer.link import Link
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 
 import redis
-
-from jobs.connection import pid_alive
-from jobs.consumer import commands as consumer
+from sluice.jobs.connection import pid_alive
+from sluice.jobs.consumer import commands as consumer
 
 SERVER_RESTART_WAIT_S = 60.0  # a server restarting as the worker starts is waited for, not crashed on
 

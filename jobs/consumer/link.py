@@ -9,9 +9,8 @@ import time
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from jobs.connection import connect, ensure_server, external_url, find_server
-from jobs.scripts import Scripts
+from sluice.jobs.connection import connect, ensure_server, external_url, find_server
+from sluice.jobs.scripts import Scripts
 
 log = logging.getLogger(__name__)
 

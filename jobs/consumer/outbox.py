@@ -17,11 +17,10 @@ from itertools import islice
 from typing import Any, cast
 
 import redis
-
-from jobs.consumer.commands import Outcome, batch_exists, record
-from jobs.pipes import NodePipes
-from jobs.scripts import Scripts
-from jobs.store import retire_batch
+from sluice.jobs.consumer.commands import Outcome, batch_exists, record
+from sluice.jobs.pipes import NodePipes
+from sluice.jobs.scripts import Scripts
+from sluice.jobs.store import retire_batch
 
 log = logging.getLogger(__name__)
 

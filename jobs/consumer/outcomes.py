@@ -7,10 +7,9 @@ import logging
 import time
 
 import redis
-
-from jobs.consumer import commands as consumer
-from jobs.consumer.commands import Delivery, Outcome, Pulled, Unreadable
-from jobs.schemas import DeadLetter, ErrorInfo, Job, Result, ResultTimings
+from sluice.jobs.consumer import commands as consumer
+from sluice.jobs.consumer.commands import Delivery, Outcome, Pulled, Unreadable
+from sluice.jobs.schemas import DeadLetter, ErrorInfo, Job, Result, ResultTimings
 
 log = logging.getLogger(__name__)
 

@@ -32,19 +32,18 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis
-
-from jobs import interactive
-from jobs.consumer import commands, outcomes
-from jobs.consumer.cancel_feed import CancelFeed
-from jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
-from jobs.consumer.heartbeat import Heartbeat
-from jobs.consumer.identity import take_identity
-from jobs.consumer.link import Link
-from jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
-from jobs.consumer.upkeep import Upkeep
-from jobs.housekeeping import RESULTS_TTL
-from jobs.schemas import Result
-from jobs.store import served_queues
+from sluice.jobs import interactive
+from sluice.jobs.consumer import commands, outcomes
+from sluice.jobs.consumer.cancel_feed import CancelFeed
+from sluice.jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
+from sluice.jobs.consumer.heartbeat import Heartbeat
+from sluice.jobs.consumer.identity import take_identity
+from sluice.jobs.consumer.link import Link
+from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
+from sluice.jobs.consumer.upkeep import Upkeep
+from sluice.jobs.housekeeping import RESULTS_TTL
+from sluice.jobs.schemas import Result
+from sluice.jobs.store import served_queues
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import redis
-
-from jobs.consumer.background import Background
-from jobs.consumer.link import Link
-from jobs.housekeeping import housekeep_if_due
-from jobs.spill import Spill
-from jobs.store import queue_depth
+from sluice.jobs.consumer.background import Background
+from sluice.jobs.consumer.link import Link
+from sluice.jobs.housekeeping import housekeep_if_due
+from sluice.jobs.spill import Spill
+from sluice.jobs.store import queue_depth
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

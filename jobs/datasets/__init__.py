@@ -3,7 +3,7 @@ directory or a Hub dataset, at any fsspec URL, become request lines; results com
 rows with result columns added.
 
 The seam with the rest of Sluice is JSONL text: ``read_requests`` yields one simple request line per
-row (or a ``RowError`` naming the row), which ``jobs.submit.submit`` and ``sluice generate`` take as
+row (or a ``RowError`` naming the row), which ``sluice.jobs.submit.submit`` and ``sluice generate`` take as
 they take a file's lines; ``ResultsWriter`` takes the OpenAI batch output lines they produce.
 
 Bounded memory (why the writer reads the source twice): results land in any order, so each one is
@@ -17,14 +17,14 @@ Needs the ``datasets`` extra (pyarrow, fsspec, datasets); object storage needs `
 
 from __future__ import annotations
 
-from jobs.datasets.extras import MissingExtra, need
+from sluice.jobs.datasets.extras import MissingExtra, need
 
 need("pyarrow")
 need("fsspec")
 
-from jobs.datasets.readers import Block, Source, SourceError, open_data, open_source  # noqa: E402
-from jobs.datasets.rows import Request, RowError, RowSpec, SpecError, read_requests  # noqa: E402
-from jobs.datasets.writers import ResultsWriter, WriteSummary  # noqa: E402
+from sluice.jobs.datasets.readers import Block, Source, SourceError, open_data, open_source  # noqa: E402
+from sluice.jobs.datasets.rows import Request, RowError, RowSpec, SpecError, read_requests  # noqa: E402
+from sluice.jobs.datasets.writers import ResultsWriter, WriteSummary  # noqa: E402
 
 __all__ = ["Block", "MissingExtra", "Request", "ResultsWriter", "RowError", "RowSpec", "Source", "SourceError",
            "SpecError", "WriteSummary", "open_data", "open_source", "read_requests"]

@@ -14,13 +14,12 @@ from dataclasses import asdict
 from typing import Any
 
 import redis
-
-from jobs.datasets.readers import Source
-from jobs.datasets.rows import RowError, RowSpec, read_requests
-from jobs.datasets.writers import ResultsWriter, WriteSummary
-from jobs.schemas import Batch
-from jobs.store import get_line_errors, output_lines
-from jobs.submit import submit
+from sluice.jobs.datasets.readers import Source
+from sluice.jobs.datasets.rows import RowError, RowSpec, read_requests
+from sluice.jobs.datasets.writers import ResultsWriter, WriteSummary
+from sluice.jobs.schemas import Batch
+from sluice.jobs.store import get_line_errors, output_lines
+from sluice.jobs.submit import submit
 
 META_SOURCE = "sluice_source"  # batch metadata: the source's URL (a local path made absolute)
 META_ROWS = "sluice_rows"  # batch metadata: the RowSpec's fields that are set, as JSON

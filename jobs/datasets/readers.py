@@ -20,8 +20,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
-
-from jobs.datasets.extras import missing, need
+from sluice.jobs.datasets.extras import missing, need
 
 FORMATS = ("jsonl", "parquet", "csv", "saved", "hub")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet",

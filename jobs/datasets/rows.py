@@ -16,10 +16,10 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.datasets.extras import need
-from jobs.datasets.readers import Source, json_default, open_source
-from jobs.lines import LineError, normalize_messages, parse_line
-from jobs.schemas import SAMPLING_FIELDS
+from sluice.jobs.datasets.extras import need
+from sluice.jobs.datasets.readers import Source, json_default, open_source
+from sluice.jobs.lines import LineError, normalize_messages, parse_line
+from sluice.jobs.schemas import SAMPLING_FIELDS
 
 # Per-row settings read from columns of these names (None / empty text: not set for that row).
 ROW_SETTINGS = frozenset(SAMPLING_FIELDS | {"response_format"})
@@ -265,7 +265,7 @@ def _format(template: str, row: dict[str, Any]) -> str:
 
 def _jinja_template(url: str) -> Any:
     jinja2 = need("jinja2", "template files")
-    from jobs.datasets.readers import url_to_fs
+    from sluice.jobs.datasets.readers import url_to_fs
 
     fs, path = url_to_fs(url, {})
     try:

@@ -22,9 +22,8 @@ import platformdirs
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
-
-from jobs.datasets.journal import Journal
-from jobs.datasets.readers import (
+from sluice.jobs.datasets.journal import Journal
+from sluice.jobs.datasets.readers import (
     DEFAULT_ROWS,
     Block,
     Source,
@@ -34,14 +33,14 @@ from jobs.datasets.readers import (
     open_source,
     url_to_fs,
 )
-from jobs.datasets.results import (
+from sluice.jobs.datasets.results import (
     NO_RESULT,
     columns_from_output_row,
     error_columns,
     result_columns,
     result_fields,
 )
-from jobs.datasets.rows import RowError, RowSpec, safe_row_id
+from sluice.jobs.datasets.rows import RowError, RowSpec, safe_row_id
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "csv")
 
