@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -53,7 +52,7 @@ def test_install_leaves_only_sluice_and_a_users_jobs_folder_does_not_shadow_it(w
     assert added == {"sluice", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, added
     # The dependencies come from this environment's site-packages (a path entry, so its own .pth files,
     # the editable install of this checkout among them, are not run).
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     user = tmp_path / "user"
     for name in ("jobs", "cli", "engine", "worker", "api", "kernels"):
         (user / name).mkdir(parents=True)
