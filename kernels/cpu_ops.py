@@ -33,10 +33,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "store_kv.cpp", "fused.cpp",
-                                                           "argmax.cpp", "sampling.cpp",
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "paged_attention_gemm.cpp",
+                                                           "store_kv.cpp", "fused.cpp", "argmax.cpp", "sampling.cpp",
                                                            "encoder_attention.cpp", "lora.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / "common.h"]  # included by the sources; hashed with them
+# Included by the sources; hashed with them.
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("common.h", "paged_plan.h")]
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one thread
 # (the symbols resolve to the libgomp torch has loaded, so there is one thread pool).
 # -ffp-contract=off: a multiply and an add stay two roundings, as in eager PyTorch (fused.cpp's rotary is
@@ -147,14 +148,42 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def attention_kernel(dtype: torch.dtype, head_dim: int) -> str:
+    """Which kernel ``paged_attention`` runs: ``gemm`` (kernels/cpu/paged_attention_gemm.cpp: oneDNN's
+    batch-reduce GEMM, on AMX where the CPU has it) for float32 and bfloat16 where oneDNN's micro-kernel
+    takes them, else ``vector`` (kernels/cpu/paged_attention.cpp: AVX-512 or generic loops)."""
+    return "gemm" if head_dim % 2 == 0 and bool(load().gemm_attention_supports(dtype)) else "vector"
+
+
+def attention_isa(dtype: torch.dtype, head_dim: int) -> str:
+    """The instructions the attention kernel runs on, for benchmarks' reports: ``amx`` (bfloat16 GEMMs on
+    AMX tiles), else torch's vector capability (``avx512``, ``avx2``, ...)."""
+    if attention_kernel(dtype, head_dim) == "gemm" and dtype == torch.bfloat16 and bool(load().cpu_has_amx()):
+        return "amx"
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache_hm: torch.Tensor, v_cache_hm: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    kernel: str | None = None) -> torch.Tensor:
     """Causal attention of packed queries ``q`` [T, Hq, D] over head-major caches [Hkv, blocks, block, D],
-    written into ``out``; query ``j`` of sequence ``b`` sits at ``seq_lens[b] - q_len[b] + j``."""
-    load().paged_attention(out, q, k_cache_hm, v_cache_hm, block_tables, query_start_loc, seq_lens, scale,
-                           sliding_window or 0, logits_soft_cap or 0.0)
+    written into ``out``; query ``j`` of sequence ``b`` sits at ``seq_lens[b] - q_len[b] + j``. ``kernel``:
+    ``gemm`` or ``vector`` (tests and benchmarks); by default ``attention_kernel``'s choice."""
+    ops = load()
+    args = (out, q, k_cache_hm, v_cache_hm, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0,
+            logits_soft_cap or 0.0)
+    if (kernel or attention_kernel(q.dtype, q.shape[-1])) == "vector":
+        ops.paged_attention(*args)
+    else:  # kernel="gemm" sends every tile to the matrix units, decodes too
+        ops.paged_attention_gemm(*args, 0 if kernel == "gemm" else MIN_GEMM_ROWS)
     return out
+
+
+# Tiles of fewer GEMM rows (query rows x the query heads sharing a KV head) than this take the vector kernel:
+# a decode's 3 rows (SmolLM2) ran 1.5x slower on the GEMM kernel than on the vector one (AMD EPYC, AVX512-BF16,
+# no AMX; bench/attention_micro.py), its key block packed for a single use. 16 rows fill one AMX tile.
+MIN_GEMM_ROWS = 16
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache_hm: torch.Tensor, v_cache_hm: torch.Tensor,

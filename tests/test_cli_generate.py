@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from sluice.cli.main import EXIT_SOME_FAILED, cli
+from sluice.engine.config import EngineConfig
 
 LINES = [
     '{"custom_id": "a", "prompt": "Once upon a time", "max_tokens": 5}',
@@ -121,7 +122,7 @@ def test_a_short_file_gets_a_kv_cache_for_its_own_sequences(tiny_model_dir: Path
     assert res.exit_code == 0, res.output
     got = _read(out)
     assert set(got) == {"a", "b"} and len(got["b"]["response"]["body"]["choices"]) == 3
-    per_seq = -(-4096 // 16)  # the tiny model's 4096 positions in blocks of 16
+    per_seq = -(-4096 // EngineConfig().block_size)  # the tiny model's 4096 positions in the default blocks
     assert f"KV cache: {4 * per_seq} blocks" in caplog.text
     with caplog.at_level(logging.INFO, logger="sluice.engine.llm"):
         caplog.clear()

@@ -1,6 +1,9 @@
-"""The C++ CPU paged-attention op against a float64 reference, over random ragged batches of decodes and
-prompt chunks, random block tables, GQA groups, head sizes (the AVX-512 ones and a generic one),
-dtypes, sliding windows and soft-capping; and the engine backend built on it."""
+"""The C++ CPU paged-attention kernels against a float64 reference, over random ragged batches of decodes
+and prompt chunks, random block tables, GQA groups, head sizes (the AVX-512 ones and a generic one),
+dtypes, sliding windows and soft-capping: the GEMM kernel on the matrix units (oneDNN's brgemm: AMX where
+present, AVX-512 elsewhere), the vector kernel (AVX-512, and the generic loops of a portable build), and
+the default that sends prompt tiles to the first and small tiles to the second; and the engine backend
+built on them."""
 
 from __future__ import annotations
 
@@ -17,7 +20,17 @@ from helpers import fresh_seed
 from sluice.engine.attention import AttentionMetadata, TorchAttention, allocate_kv, head_major
 from sluice.engine.attention import store_kv as store_kv_torch
 from sluice.engine.cpu_attention import CpuPagedAttention
-from sluice.kernels.cpu_ops import CFLAGS, SOURCES, available, load_variant, paged_attention, store_kv
+from sluice.kernels.cpu_ops import (
+    CFLAGS,
+    SOURCES,
+    attention_isa,
+    attention_kernel,
+    available,
+    load,
+    load_variant,
+    paged_attention,
+    store_kv,
+)
 from sluice.kernels.reference import paged_attention_reference, relative_error
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -83,14 +96,61 @@ def check_against_reference(run: Run, dtype: torch.dtype, head_dim: int) -> None
         assert err < TOLERANCE[dtype], f"relative error {err} (group {group}, block {block_size}, window {window}, cap {cap})"
 
 
+KERNELS = ["vector", "gemm", None]  # None: the default split between the two
+
+
+def skip_unless_gemm(kernel: str | None, dtype: torch.dtype, head_dim: int) -> None:
+    if kernel == "gemm" and attention_kernel(dtype, head_dim) != "gemm":
+        pytest.skip(f"oneDNN's brgemm takes no {dtype} here (bfloat16 needs AVX-512; float16 is not wired)")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_op_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
+def test_op_matches_reference(dtype: torch.dtype, head_dim: int, kernel: str | None) -> None:
+    skip_unless_gemm(kernel, dtype, head_dim)
+
     def run(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
             scale: float, window: int | None, cap: float | None) -> None:
-        paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap)
+        paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap,
+                        kernel=kernel)
 
     check_against_reference(run, dtype, head_dim)
+
+
+def test_prompt_tiles_take_the_matrix_units_where_onednn_has_them() -> None:
+    """float32 everywhere oneDNN's micro-kernel runs (AVX2 and up) and bfloat16 from AVX-512 on go to the
+    GEMM kernel; float16 and odd head sizes stay on the vector kernel."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AMX") or capability.startswith("AVX512"):
+        assert attention_kernel(torch.bfloat16, 64) == "gemm"
+        assert attention_kernel(torch.float32, 128) == "gemm"
+    assert attention_kernel(torch.float16, 64) == "vector"
+    assert attention_kernel(torch.float32, 63) == "vector"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.skipif(not {"amx_bf16", "amx_tile"} <= _cpu_flags(), reason="this CPU has no AMX (amx_bf16, amx_tile)")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_runs_the_bfloat16_gemm_kernel_and_matches_reference(head_dim: int) -> None:
+    """On a CPU with AMX, oneDNN packs bfloat16 for its tiles (cpublas::could_pack), the kernel reports AMX,
+    and prompt tiles and decodes forced onto it match the reference."""
+    assert bool(load().cpu_has_amx()), "the CPU has AMX but oneDNN does not use it (an old torch, or ONEDNN_MAX_CPU_ISA)"
+    assert attention_isa(torch.bfloat16, head_dim) == "amx"
+
+    def run(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+            scale: float, window: int | None, cap: float | None) -> None:
+        paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap,
+                        kernel="gemm")
+
+    check_against_reference(run, torch.bfloat16, head_dim)
 
 
 def long_prompt_step(rng: random.Random, dtype: torch.dtype, head_dim: int, group: int, kv_heads: int,
@@ -118,12 +178,17 @@ def long_prompt_step(rng: random.Random, dtype: torch.dtype, head_dim: int, grou
     return q, k_cache, v_cache, meta
 
 
+@pytest.mark.parametrize("kernel", ["vector", "gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_long_prompt_chunks_match_reference_and_their_rows_alone(dtype: torch.dtype, head_dim: int) -> None:
+def test_long_prompt_chunks_match_reference_and_their_rows_alone(dtype: torch.dtype, head_dim: int,
+                                                                 kernel: str) -> None:
     """Query tiles over long prompt chunks (GQA groups, block sizes, windows, soft-caps) against the float64
-    reference; and every row to the bit as when it is attended alone (as a decode at its position), so
-    a prompt's result does not depend on how it was chunked or what shared its step."""
+    reference; and, within one kernel, every row to the bit as when it is attended alone (as a decode at
+    its position): each kernel's row does not depend on the tile it is in. (The default sends a decode to
+    the vector kernel and a prompt tile to the GEMM one, whose sums run in another order: there a row
+    agrees with itself alone within rounding, test_a_prompt_in_chunks_matches_it_whole.)"""
+    skip_unless_gemm(kernel, dtype, head_dim)
     rng = random.Random(fresh_seed())
     torch.manual_seed(rng.randrange(2**31))
     for group, kv_heads in rng.sample([(1, 2), (3, 3), (8, 1), (4, 2)], 2):
@@ -133,7 +198,8 @@ def test_long_prompt_chunks_match_reference_and_their_rows_alone(dtype: torch.dt
         q, k_cache, v_cache, meta = long_prompt_step(rng, dtype, head_dim, group, kv_heads, block_size)
         k_hm, v_hm, scale = head_major(k_cache), head_major(v_cache), head_dim**-0.5
         out = torch.empty(q.shape, dtype=dtype)
-        paged_attention(out, q, k_hm, v_hm, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap)
+        paged_attention(out, q, k_hm, v_hm, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, cap,
+                        kernel=kernel)
         q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens.tolist(), q_lens, scale,
                                         window, cap)
@@ -147,7 +213,7 @@ def test_long_prompt_chunks_match_reference_and_their_rows_alone(dtype: torch.dt
             alone = torch.empty_like(out[row : row + 1])
             paged_attention(alone, q[row : row + 1], k_hm, v_hm, meta.block_tables[b : b + 1],
                             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([pos + 1], dtype=torch.int32), scale,
-                            window, cap)
+                            window, cap, kernel=kernel)
             assert torch.equal(alone[0], out[row]), f"row {row} (position {pos}) differs alone ({what})"
 
 
@@ -267,12 +333,15 @@ def chunk_meta(table: torch.Tensor, start: int, end: int, block_size: int) -> At
         prefill_idx=torch.empty(0, dtype=torch.long) if end - start == 1 else torch.tensor([0]))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", ["cpu-vector", "cpu-gemm", "cpu", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_in_chunks_matches_it_whole(backend: str, dtype: torch.dtype) -> None:
     """A prompt attended as one chunk and as chunks split at random rows (each after the cached earlier
-    ones, boundaries inside a query tile and a block) agree: to the bit on the C++ op, whose rows do not
-    depend on their tile; within the tolerance on the PyTorch fallback; both against the reference."""
+    ones, boundaries inside a query tile and a block) agree: to the bit on each C++ kernel alone, whose rows
+    do not depend on their tile; within the tolerance on the default (a short chunk's few rows take the
+    vector kernel, a long one's the GEMM kernel) and on the PyTorch fallback; all against the reference."""
+    kernel = {"cpu-vector": "vector", "cpu-gemm": "gemm"}.get(backend)
+    skip_unless_gemm(kernel, dtype, 64)
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(rng.randrange(2**31))
@@ -292,10 +361,10 @@ def test_a_prompt_in_chunks_matches_it_whole(backend: str, dtype: torch.dtype) -
 
     def attend(start: int, end: int) -> torch.Tensor:
         meta = chunk_meta(table, start, end, block_size)
-        if backend == "cpu":
+        if backend.startswith("cpu"):
             out = torch.empty(end - start, *q.shape[1:], dtype=dtype)
             return paged_attention(out, q[start:end], head_major(k_cache), head_major(v_cache), meta.block_tables,
-                                   meta.query_start_loc, meta.seq_lens, scale, window, None)
+                                   meta.query_start_loc, meta.seq_lens, scale, window, None, kernel=kernel)
         return TorchAttention(block_size).forward(q[start:end], k_new[start:end], v_new[start:end], k_cache, v_cache, meta,
                                                   scale, sliding_window=window)
 
@@ -306,7 +375,7 @@ def test_a_prompt_in_chunks_matches_it_whole(backend: str, dtype: torch.dtype) -
     ref = paged_attention_reference(q, k_cache, v_cache, table[None], [length], [length], scale, window, None)
     for out in (whole, pieces):
         assert relative_error(out, ref) < TOLERANCE[dtype], what
-    if backend == "cpu":
+    if kernel is not None:
         assert torch.equal(whole, pieces), what
     else:
         assert relative_error(pieces, whole.double()) < TOLERANCE[dtype], what

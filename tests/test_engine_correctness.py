@@ -80,7 +80,7 @@ def test_preemption_keeps_outputs_identical(gqa: tuple[Path, Any], backend: str)
     # tokens (23 new slots > 16), before any of them finishes at 24, so they need 4 blocks more than the 2
     # free. Only EOS could end one early: none did for seeds 0-39 (the greedy tiny model; 2-5
     # preemptions each).
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_seqs=8,
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_seqs=8, block_size=16,
               attention_backend=backend)
     assert llm.num_total_blocks == 12
     _run_and_compare(llm, hf, random_prompts(rng, 8, 20, 40))

@@ -85,7 +85,7 @@ def test_warmup_step_stays_inside_the_rotary_tables(tiny_model_dir: Path) -> Non
     assert warmup_query_lens(300, 64) == [64, 64, 64, 64, 44]
     assert warmup_query_lens(128, 64) == [64, 64]
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=16 << 20, max_model_len=64,
-              max_num_batched_tokens=300)
+              max_num_batched_tokens=300, block_size=16)
     assert llm.runner.model.rotary.cos.shape[0] == 64
     blocks = llm.runner.warmup_step()
     assert blocks == 4 * 4 + 3  # 64-token chunks take 4 blocks of 16, the 44-token rest 3
@@ -120,7 +120,8 @@ def test_cuda_kv_budget_leaves_others_memory_and_the_graph_reserve() -> None:
 
 def test_transformers_path_decodes_past_the_step_token_budget(tiny_model_dir: Path) -> None:
     """On the transformers path the padded decode's block tables are sized from the engine's length limit
-    (the model's 4096 here), not max_num_batched_tokens (16): sequences grow to ~28 tokens, two blocks."""
+    (the model's 4096 here), not max_num_batched_tokens (16): sequences grow to ~28 tokens, two 16-token
+    blocks."""
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(fresh_seed())
@@ -128,7 +129,7 @@ def test_transformers_path_decodes_past_the_step_token_budget(tiny_model_dir: Pa
     prompts = random_prompts(rng, 2, 10, 14)
     reqs = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=14)) for i, p in enumerate(prompts)]
     outs, llm = _generate(tiny_model_dir, reqs, pad_decode=True, model_impl="transformers",
-                          max_num_batched_tokens=16, attention_backend="torch")
+                          max_num_batched_tokens=16, attention_backend="torch", block_size=16)
     assert llm.model_impl == "transformers" and llm.runner.max_model_len == 4096
     runner = llm.runner.decode_runner
     assert runner is not None and runner.inputs.tables.shape[1] == 4096 // 16  # the length limit, not 1 block

@@ -74,7 +74,7 @@ def test_oversize_request_is_rejected_and_the_rest_complete(tiny_model_dir: Path
 
 
 def test_request_larger_than_the_whole_cache_is_rejected(tiny_model_dir: Path) -> None:
-    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16)
     assert llm.num_total_blocks == 4
     out = llm.generate([_req("big", [100] * 60, 20), _req("small", [100] * 5, 3)])
     assert out[0].finish_reason == "error" and "KV blocks" in (out[0].error or "")

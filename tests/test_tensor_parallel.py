@@ -46,7 +46,7 @@ def _settings(tp: int, backend: str) -> dict[str, Any]:
     # up to ~80 tokens (preemption); a 16-token budget cuts every prompt into chunks.
     kv_bytes = NUM_BLOCKS * 2 * 2 * 16 * 2 * 16 * 4 // tp
     return dict(dtype="float32", tensor_parallel_size=tp, kv_cache_memory=kv_bytes, max_num_seqs=8,
-                max_num_batched_tokens=16, attention_backend=backend)
+                max_num_batched_tokens=16, attention_backend=backend, block_size=16)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -71,7 +71,7 @@ def test_transformers_path_matches_generate(arch: str, tmp_path_factory: pytest.
     rng = random.Random(fresh_seed())
     prompts = _shared_prefix_prompts(rng)
     llm = LLM(str(path), dtype="float32", model_impl="transformers", kv_cache_memory=_kv_bytes(hf.config, NUM_BLOCKS),
-              max_num_batched_tokens=24, max_num_seqs=6)
+              max_num_batched_tokens=24, max_num_seqs=6, block_size=16)
     assert llm.model_impl == "transformers" and llm.num_total_blocks == NUM_BLOCKS
     for p, ours in zip(prompts, _generate(llm, prompts), strict=True):
         assert_greedy_matches(hf, p, ours, hf_greedy(hf, p, MAX_NEW))

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common.h"
+#include "paged_plan.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -37,6 +38,8 @@ using sluice_cpu::fast_exp;
 #if defined(__AVX512F__)
 using sluice_cpu::exp16;
 #endif
+using sluice_cpu::Item;
+using sluice_cpu::Unit;
 using sluice_cpu::to_float;
 
 // The online softmax for one head over one piece of n <= 16 scores: s[j] becomes exp(s[j] - m) with m the
@@ -204,19 +207,6 @@ inline void start_fetch(const T* p) {
   __builtin_prefetch(reinterpret_cast<const char*>(p) + 64, 0, 2);
 }
 
-// A tile of consecutive query rows of one sequence, attended together on one thread for one KV head.
-struct Unit {
-  int64_t first;  // index of its first item
-  int64_t count;
-  int64_t cost;  // keys read, to hand out the costly units first
-};
-
-struct Item {
-  int64_t row;  // query row in the packed step
-  int64_t seq;  // sequence it belongs to
-  int64_t pos;  // its position in the sequence
-};
-
 // Per thread: each tile row's scaled query, output accumulator and softmax state, and the piece's scores.
 struct Scratch {
   std::vector<float> qf, acc, m, sum, w;
@@ -346,59 +336,36 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
 
 }  // namespace
 
+namespace sluice_cpu {
+
+void attend_vector(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& tables, const Plan& plan, double scale,
+                   int64_t window, double soft_cap) {
+  const int64_t dim = q.size(2);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (dim == 64)
+      attend<4, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+    else if (dim == 128)
+      attend<8, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+    else
+      attend<0, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+  };
+  dispatch_dtype(q.scalar_type(), run);
+}
+
+}  // namespace sluice_cpu
+
 // out, q: [T, Hq, D]; caches head-major [Hkv, num_blocks, block_size, D]; block_tables [B, W] int32;
 // query_start_loc [B + 1] int32; seq_lens [B] int32. window <= 0: none; soft_cap <= 0: none.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                      int64_t window, double soft_cap) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block, D]");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "head_dim must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 512, "head_dim mismatch or above 512");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start_loc.scalar_type() == torch::kInt32 &&
-                  seq_lens.scalar_type() == torch::kInt32,
-              "block_tables, query_start_loc and seq_lens must be int32");
-  auto tables = block_tables.contiguous();
-  auto qsl = query_start_loc.contiguous();
-  auto lens = seq_lens.contiguous();
-  const int32_t* qs = qsl.data_ptr<int32_t>();
-  const int32_t* sl = lens.data_ptr<int32_t>();
-  std::vector<Item> items;
-  items.reserve(q.size(0));
-  for (int64_t b = 0; b < lens.size(0); ++b) {
-    const int64_t q_len = qs[b + 1] - qs[b];
-    for (int64_t j = 0; j < q_len; ++j) items.push_back({qs[b] + j, b, sl[b] - q_len + j});
-  }
-  // Prompt chunks in runs of kRun rows; costliest first, so the last units handed out are the cheap ones.
-  constexpr int64_t kRun = 16;
-  std::vector<Unit> units;
-  for (int64_t b = 0, first = 0; b < lens.size(0); ++b) {
-    const int64_t q_len = qs[b + 1] - qs[b];
-    for (int64_t j = 0; j < q_len; j += kRun) {
-      const int64_t count = std::min(kRun, q_len - j);
-      int64_t cost = 0;
-      for (int64_t r = first + j; r < first + j + count; ++r) cost += items[r].pos + 1;
-      units.push_back({first + j, count, cost});
-    }
-    first += q_len;
-  }
-  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
-  const int64_t dim = q.size(2);
-  int64_t max_rows = 1;
-  for (const Unit& u : units) max_rows = std::max(max_rows, u.count);
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    if (dim == 64)
-      attend<4, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
-    else if (dim == 128)
-      attend<8, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
-    else
-      attend<0, T>(out, q, k_cache, v_cache, tables, items, units, max_rows, scale, window, soft_cap);
-  };
-  sluice_cpu::dispatch_dtype(q.scalar_type(), run);
+  sluice_cpu::check_paged_args(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens);
+  // Prompt chunks in tiles of 16 rows; costliest first, so the last units handed out are the cheap ones.
+  const sluice_cpu::Plan plan =
+      sluice_cpu::plan_units(query_start_loc.contiguous(), seq_lens.contiguous(), q.size(0), 16);
+  sluice_cpu::attend_vector(out, q, k_cache, v_cache, block_tables.contiguous(), plan, scale, window, soft_cap);
 }
 
 // A torch op (torch.ops.sluice.paged_attention), so profilers and torch.compile see it by name.
