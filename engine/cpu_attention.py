@@ -11,6 +11,21 @@ import torch
 from sluice.engine.attention import AttentionMetadata, BackendCapabilities, head_major
 
 
+def describe(dtype: torch.dtype, head_dims: set[int]) -> str:
+    """Which kernels this model's attention runs and on what instructions, for the start-up log: the
+    benchmarks' reports and a user's "is it on AMX?" read it there."""
+    from sluice.kernels.cpu_ops import MIN_GEMM_ROWS, attention_isa, attention_kernel
+
+    parts = []
+    for d in sorted(head_dims):
+        if attention_kernel(dtype, d) == "gemm":
+            parts.append(f"head dim {d}: prompt tiles of {MIN_GEMM_ROWS}+ rows as oneDNN brgemm GEMMs on "
+                         f"{attention_isa(dtype, d)}, decodes on the vector kernel")
+        else:
+            parts.append(f"head dim {d}: the vector kernel on {attention_isa(dtype, d)}")
+    return "; ".join(parts)
+
+
 class CpuPagedAttention:
     """Write the step's K/V into the paged cache, then attend from it in place, decodes and prompt
     chunks alike, in one call per layer."""

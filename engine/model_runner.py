@@ -18,6 +18,8 @@ from sluice.engine.attention import (
 )
 from sluice.engine.block_table import BlockTableRows
 from sluice.engine.config import EngineConfig
+from sluice.engine.cpu_attention import CpuPagedAttention
+from sluice.engine.cpu_attention import describe as describe_cpu_attention
 from sluice.engine.graph_runner import DecodeGraphRunner
 from sluice.engine.guided import apply_guided_masks
 from sluice.engine.lora.batch import adapter_order
@@ -49,6 +51,8 @@ class ModelRunner:
         # 0..max_model_len-1, whichever path implements the model; the native rotary tables end there too.
         self.max_model_len = max_model_len
         self.backend = make_backend(config, device)
+        if isinstance(self.backend, CpuPagedAttention):
+            log.info("attention: C++ op, %s", describe_cpu_attention(dtype, {x.head_dim for x in model.kv_spec()}))
         self.kernels = elementwise_kernels(self.backend, device)
         if hasattr(model, "use_fused_kernels"):  # the native path; the transformers path runs its own layers
             model.use_fused_kernels(self.kernels)
@@ -277,8 +281,6 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
     if name == "triton":
         backend = TritonAttention()
     elif name == "cpu":
-        from sluice.engine.cpu_attention import CpuPagedAttention
-
         backend = CpuPagedAttention()
     else:
         backend = TorchAttention(config.block_size)

@@ -53,5 +53,7 @@ def __getattr__(name: str) -> Any:
     if name == "generate":
         from sluice.generate import generate
 
+        # Importing the submodule bound the name to the module sluice/generate.py; the API is the function.
+        globals()["generate"] = generate
         return generate
     raise AttributeError(f"module 'sluice' has no attribute {name!r}")
