@@ -276,7 +276,7 @@ class _Sink:
 class _JsonlSink(_Sink):
     def write(self, block: Block, cols: list[dict[str, Any]]) -> None:
         lines = []
-        for row, c in zip(block.rows(), cols, strict=True):
+        for row, c in zip(block.cells(), cols, strict=True):
             out = dict(row or {})
             out.update((name, c.get(base)) for (name, _), base in zip(self.fields, self.base, strict=True))
             lines.append(json.dumps(out, ensure_ascii=False, default=json_default) + "\n")
