@@ -262,11 +262,46 @@ def test_resume_after_kill_9_gives_every_row_exactly_once(tiny_model_dir: Path, 
 
 
 
-# ---- issue 40, item 9: real `sluice generate` processes -----------------------------------------
+# ---- issue 40, items 8 and 9: real `sluice generate` processes -----------------------------------------
 def sluice(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """`sluice ARGS` in a process of its own, on this worktree's code."""
     return subprocess.run([sys.executable, "-m", "sluice.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_resume_refuses_another_sources_finished_output(tiny_model_dir: Path, llm: Any, tmp_path: Path) -> None:
+    """Issue 40, item 8: OUT is the finished output of A; `generate B -o OUT --resume` with B's rows under
+    the same ids (one text differs) exited 0 with A's completions on B's rows. Now it is refused in one
+    line naming the row, before a model loads, leaving OUT as it was and no journal; A itself resumes
+    with nothing to run."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    n = 12
+    rows = make_rows(rng, n)
+    other = [dict(r) for r in rows]
+    k = rng.randrange(n)
+    other[k]["text"] += " more"
+    a, b, out = tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.Table.from_pylist(rows), a)
+    pq.write_table(pa.Table.from_pylist(other), b)
+    flags = ["--model", tiny_model_dir, *ENGINE, "--prompt-column", "text", "--id-column", "id", "--max-tokens", "3"]
+    p = sluice("generate", a, "-o", out, *flags)
+    assert p.returncode == 0, (seed, p.stderr)
+    before = out.read_bytes()
+
+    p = sluice("generate", b, "-o", out, *flags, "--resume")
+    assert p.returncode == EXIT_USER_ERROR, (seed, p.stderr)
+    assert p.stderr == (f"Error: cannot resume: {out} is not the output of {b} (its row {k}: the source holds "
+                        "another row there); start without --resume, or resume with the source it was made from\n"), seed
+    assert out.read_bytes() == before, seed
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.parquet", "b.parquet", "out.jsonl"], seed  # no journal
+
+    p = sluice("generate", a, "-o", out, *flags, "--resume")
+    assert p.returncode == 0, (seed, p.stderr)
+    assert f"resuming: {n} rows already have a result" in p.stderr and f"{n} rows: {n} completed" in p.stderr, seed
+    got = rows_of(str(out))
+    want = reference(llm, str(a), RowSpec(prompt_column="text", id_column="id"), 3)
+    check_joined(got, rows, want, [r["id"] for r in rows], 3)
 
 
 def test_a_csv_with_a_bad_byte_and_a_huge_cell_fails_only_that_row(tiny_model_dir: Path, llm: Any,
