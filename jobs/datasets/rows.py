@@ -285,7 +285,7 @@ def _jinja_template(url: str) -> Any:
     env = jinja2.sandbox.SandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False,
                                               keep_trailing_newline=False)
     try:
-        template = env.from_string(text)
+        template: Any = env.from_string(text)  # carries its source text (sluice_source) for the record
         template.sluice_source = text
         return template
     except jinja2.TemplateSyntaxError as e:
