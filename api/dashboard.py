@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import jinja2
+import jinja2.sandbox
 import redis
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
@@ -61,8 +62,10 @@ STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 router = APIRouter(include_in_schema=False)
 auth = [Depends(require_key)]
-_env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                          trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+# Sandboxed like every template sluice renders (its own pages here; it costs nothing and stays safe if
+# a value ever reaches a template as code).
+_env = jinja2.sandbox.SandboxedEnvironment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                                           trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
 _samples_lock = threading.Lock()
 Kind = Literal["output", "errors"]
 KINDS: tuple[Kind, ...] = ("output", "errors")

@@ -13,7 +13,7 @@ from sluice.api.filestore import error_file_id, output_file_id
 from sluice.api.state import Redis, State
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.openai_output import result_to_output_line
-from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Batch, LineErrorInfo
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, RESERVED_METADATA_PREFIX, Batch, LineErrorInfo
 from sluice.jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
 from sluice.jobs.submit import UnknownModel, resolve_model, submit
 from sluice.jobs.units import parse_duration
@@ -58,6 +58,9 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         if len(k) > 64 or len(v) > 512:
             raise ApiError(400, "metadata keys are at most 64 characters and values at most 512",
                            code="invalid_metadata", param="metadata")
+        if k.lower().startswith(RESERVED_METADATA_PREFIX):
+            raise ApiError(400, f"metadata key {k!r} is reserved (keys starting {RESERVED_METADATA_PREFIX!r} are "
+                           "sluice's own)", code="invalid_metadata", param="metadata")
 
 
 @router.post("/v1/batches", summary="Create a batch from an uploaded file")

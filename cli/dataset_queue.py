@@ -1,7 +1,8 @@
 """`sluice submit` and `sluice results` on datasets: the rows queued as a batch (line n is row n - 1),
-and the batch's results written joined to the rows. The batch's metadata names its source and row
-flags, so `sluice results BATCH -o out.parquet` joins without being told them again (--source when
-the source moved)."""
+and the batch's results written joined to the rows. The batch records its source and row flags (in a
+field of its own that only `sluice submit` writes, never in the metadata an API client sets), so
+`sluice results BATCH -o out.parquet` joins without being told them again (--source when the source
+moved)."""
 
 from __future__ import annotations
 

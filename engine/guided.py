@@ -90,8 +90,7 @@ class GuidedDecoding:
             grammar = _grammar(xgr, *key)
             compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            return f"the {_NAMES[kind]} does not compile: {_clean(first)}"
+            return f"the {_NAMES[kind]} does not compile: {_reason(e)}"
         self.num_compiled += 1
         return compiled
 
@@ -141,9 +140,26 @@ def _literal(s: str) -> str:
     return json.dumps(s) if s else '""'
 
 
+def _reason(e: BaseException) -> str:
+    """xgrammar's own words, on one line: what is wrong and where (its first line says both), and the
+    grammar's line it points at when it shows one (Lark's errors quote it, then a caret under it)."""
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    what = _clean(lines[0].strip())
+    if len(lines) >= 3 and lines[-1].strip() == "^":
+        what += f" (in {lines[-2].strip()!r})"
+    return what
+
+
 def _clean(msg: str) -> str:
-    # xgrammar prefixes "[time] /path/file.cc:line: "; the user needs what follows.
-    return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
+    # xgrammar prefixes "[time] /path/file.cc:line: " and its checks "Check failed: (...) is false: ";
+    # the user needs what follows.
+    if msg.startswith("[") and ": " in msg:
+        msg = msg.split(": ", 1)[1]
+    if msg.startswith("Check failed:") and " is false: " in msg:
+        msg = msg.split(" is false: ", 1)[1]
+    return msg
 
 
 # ---- the step: one bitmask for the constrained rows --------------------------------------------

@@ -26,6 +26,9 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 FINAL_BATCH_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
+# Batch metadata keys with this prefix are sluice's own: the API refuses them from a client, so no client
+# can pass for what an older ``sluice submit`` wrote there (a dataset's source and row flags).
+RESERVED_METADATA_PREFIX = "sluice_"
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -284,6 +287,9 @@ class Batch(BaseModel):
     priority: int = 0
     input: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    # The dataset the batch's lines were rendered from (source URL and row flags), as ``sluice submit``
+    # wrote it: apart from ``metadata`` (a client's), and never shown by the API.
+    dataset: dict[str, Any] | None = None
     created_at: float
     in_progress_at: float | None = None
     expires_at: float | None = None

@@ -37,6 +37,7 @@ def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Ba
                  endpoint=meta.get("endpoint") or CHAT_URL,
                  priority=int(meta.get("priority") or 0), input=meta.get("input") or None,
                  metadata=json.loads(meta.get("metadata") or "{}"),
+                 dataset=json.loads(meta["dataset"]) if meta.get("dataset") else None,
                  errors=[LineErrorInfo.model_validate_json(e) for e in errors or []],
                  usage=ResultUsage(**{k: int(meta.get(k) or 0) for k in ResultUsage.model_fields}),
                  completion_window=meta.get("completion_window") or "24h",

@@ -53,7 +53,7 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
            completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
            input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK,
            endpoint: str | None = None, on_complete: dict[str, Any] | None = None,
-           line_errors: Iterable[LineErrorInfo] = ()) -> Batch:
+           line_errors: Iterable[LineErrorInfo] = (), dataset: dict[str, Any] | None = None) -> Batch:
     """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
 
     ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
@@ -61,6 +61,8 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     ``endpoint`` (OpenAI's batch endpoint) defaults to the URL of the first job's kind.
     ``on_complete`` (a Celery signature as a dict) is sent once when the batch ends (store.retire_batch).
     ``line_errors`` are lines a caller's own checks refused (the API's upload limits): recorded, not parsed.
+    ``dataset``: the source and row flags the lines were rendered from (``jobs/datasets/queue.py`` alone
+    passes it; the API never does, so a client cannot make ``sluice results`` read a source of its choosing).
     """
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
@@ -68,7 +70,7 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
     sub.endpoint = endpoint
     with _refused_when_full(sub):
-        sub.create(completion_window, metadata, input_name, on_complete)
+        sub.create(completion_window, metadata, input_name, on_complete, dataset)
         refused = {e.line: e for e in line_errors}
         for line_no, text in enumerate(lines, 1):
             if line_no in refused:
@@ -147,7 +149,7 @@ class _Submission:
         self.flushed_at = self.now
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
-               on_complete: dict[str, Any] | None = None) -> None:
+               on_complete: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None) -> None:
         fields: dict[str, Any] = {
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
@@ -156,6 +158,8 @@ class _Submission:
         }
         if on_complete is not None:  # with the batch from the start: it may end before submit returns
             fields["on_complete"] = json.dumps(on_complete)
+        if dataset is not None:
+            fields["dataset"] = json.dumps(dataset, ensure_ascii=False, separators=(",", ":"))
         if self.r.exists(keys.meta(self.bid)):
             raise ValueError(f"batch {self.bid} already exists")
         pipe = self.r.pipeline(transaction=False)

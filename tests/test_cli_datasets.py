@@ -259,3 +259,90 @@ def test_resume_after_kill_9_gives_every_row_exactly_once(tiny_model_dir: Path, 
             assert r["completion"] == kept[r["id"]]["completion"]
     assert not journal.exists()
     print(textwrap.shorten(f"seed {seed}: killed after {len(kept)} of {n} rows", 200))
+
+
+
+# ---- issue 40, items 8 and 9: real `sluice generate` processes -----------------------------------------
+def sluice(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`sluice ARGS` in a process of its own, on this worktree's code."""
+    return subprocess.run([sys.executable, "-m", "sluice.cli.main", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_resume_refuses_another_sources_finished_output(tiny_model_dir: Path, llm: Any, tmp_path: Path) -> None:
+    """Issue 40, item 8: OUT is the finished output of A; `generate B -o OUT --resume` with B's rows under
+    the same ids (one text differs) exited 0 with A's completions on B's rows. Now it is refused in one
+    line naming the row, before a model loads, leaving OUT as it was and no journal; A itself resumes
+    with nothing to run."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    n = 12
+    rows = make_rows(rng, n)
+    other = [dict(r) for r in rows]
+    k = rng.randrange(n)
+    other[k]["text"] += " more"
+    a, b, out = tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.Table.from_pylist(rows), a)
+    pq.write_table(pa.Table.from_pylist(other), b)
+    flags = ["--model", tiny_model_dir, *ENGINE, "--prompt-column", "text", "--id-column", "id", "--max-tokens", "3"]
+    p = sluice("generate", a, "-o", out, *flags)
+    assert p.returncode == 0, (seed, p.stderr)
+    before = out.read_bytes()
+
+    p = sluice("generate", b, "-o", out, *flags, "--resume")
+    assert p.returncode == EXIT_USER_ERROR, (seed, p.stderr)
+    assert p.stderr == (f"Error: cannot resume: {out} is not the output of {b} (its row {k}: the source holds "
+                        "another row there); start without --resume, or resume with the source it was made from\n"), seed
+    assert out.read_bytes() == before, seed
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.parquet", "b.parquet", "out.jsonl"], seed  # no journal
+
+    p = sluice("generate", a, "-o", out, *flags, "--resume")
+    assert p.returncode == 0, (seed, p.stderr)
+    assert f"resuming: {n} rows already have a result" in p.stderr and f"{n} rows: {n} completed" in p.stderr, seed
+    got = rows_of(str(out))
+    want = reference(llm, str(a), RowSpec(prompt_column="text", id_column="id"), 3)
+    check_joined(got, rows, want, [r["id"] for r in rows], 3)
+
+
+def test_a_csv_with_a_bad_byte_and_a_huge_cell_fails_only_that_row(tiny_model_dir: Path, llm: Any,
+                                                                   tmp_path: Path) -> None:
+    """Issue 40, item 9: one row's byte that is not UTF-8 fails that row, by its number (it failed the
+    whole run as "row 0"), keeping its other cells; a 9 MiB cell in a column no request reads is carried whole (it failed the run:
+    "straddling object"); every other row runs. Repeated column names, CSV or Parquet, are refused in one
+    line naming them (a column was dropped, or a traceback), before a model loads."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    n = 14
+    bad, big = rng.sample(range(n), 2)
+    rows = make_rows(rng, n)
+    lines = [b"id,text,keep\n"]
+    for i, r in enumerate(rows):
+        text = r["text"].encode() + (b" \xfe" if i == bad else b"")
+        keep = b"k" * (9 << 20) if i == big else str(r["keep"]).encode()
+        lines.append(b'%s,"%s",%s\n' % (r["id"].encode(), text.replace(b'"', b'""'), keep))
+    src, out = tmp_path / "in.csv", tmp_path / "out.parquet"
+    src.write_bytes(b"".join(lines))
+    p = sluice("generate", src, "-o", out, "--model", tiny_model_dir, *ENGINE, "--prompt-column", "text",
+               "--id-column", "id", "--max-tokens", "3")
+    assert p.returncode == EXIT_SOME_FAILED, (seed, p.stderr)
+    assert f"{n} rows: {n - 1} completed, 1 failed" in p.stderr and "Traceback" not in p.stderr, seed
+    got = rows_of(str(out))
+    assert [g["id"] for g in got] == [r["id"] for r in rows], seed  # the bad row keeps its readable cells
+    assert got[bad]["text"] is None and got[bad]["keep"] == str(rows[bad]["keep"]), seed
+    assert got[bad]["error"]["code"] == "invalid_line", seed
+    assert got[bad]["error"]["message"].startswith(f"row {bad}: not UTF-8 (column 'text', byte "), seed
+    assert len(got[big]["keep"]) == 9 << 20 and got[big]["error"] is None and got[big]["completion"], seed
+    want = reference(llm, str(src), RowSpec(prompt_column="text", id_column="id"), 3)
+    assert all(g["completion"] == want[g["id"]] for i, g in enumerate(got) if i != bad), seed
+
+    for fmt in ("csv", "parquet"):
+        dup, dup_out = tmp_path / f"dup.{fmt}", tmp_path / f"dup-out.{fmt}"
+        if fmt == "csv":
+            dup.write_text("id,text,id\na,hello,b\n")
+        else:
+            pq.write_table(pa.table([pa.array(["a"]), pa.array(["hello"]), pa.array(["b"])],
+                                    names=["id", "text", "id"]), dup)
+        p = sluice("generate", dup, "-o", dup_out, "--model", tiny_model_dir, *ENGINE, "--prompt-column", "text")
+        assert p.returncode == EXIT_USER_ERROR, p.stderr
+        assert p.stderr == f"Error: {dup}: duplicate column names 'id' (each column needs a name of its own)\n"
+        assert not dup_out.exists() and not list(tmp_path.glob("*journal*"))

@@ -5,8 +5,10 @@ errors of a join with nothing to join to."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,133 @@ def test_a_join_needs_rows_to_join_to(busy: Path, tmp_path: Path) -> None:
     res = invoke("submit", tmp_path / "in.parquet", "--model", "tiny", "--prompt-column", "text",
                  "--template", "{text}")
     assert res.exit_code == EXIT_USAGE and "give one of" in res.stderr
+
+
+# ---- issue 40, item 1: a client's batch metadata never steers the operator's CLI ------------------
+EVIL = ("{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}"
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ text }}")
+
+
+class _Counting(http.server.BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.hits.append(self.path)
+        body = b"text\nhello\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.hits.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def web() -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server that serves a CSV and counts every request it gets."""
+    _Counting.hits = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", _Counting.hits
+    finally:
+        srv.shutdown()
+        t.join()
+
+
+def _evil_template(tmp_path: Path) -> tuple[Path, Path]:
+    marker = tmp_path / "marker"
+    template = tmp_path / "evil.j2"
+    template.write_text(EVIL.replace("MARKER", str(marker)))
+    return template, marker
+
+
+def test_the_api_refuses_sluices_own_metadata_keys(busy: Path, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+    from sluice.api.app import create_app
+    from sluice.api.settings import Settings
+    from sluice.jobs import keys
+    from sluice.jobs.connection import connect
+
+    r = connect()
+    api = TestClient(create_app(Settings(api_key=None, files_dir=tmp_path / "files")))
+    f = api.post("/v1/files", files={"file": ("in.jsonl", b'{"custom_id": "a", "prompt": "hi", "max_tokens": 2}\n')},
+                 data={"purpose": "batch"})
+    assert f.status_code == 200, f.text
+    before = r.zcard(keys.all_batches())
+    for key in ("sluice_source", "sluice_rows", "SLUICE_anything"):
+        got = api.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions",
+                                            "metadata": {"note": "x", key: "/etc/passwd"}})
+        assert got.status_code == 400, got.text
+        err = got.json()["error"]
+        assert err["code"] == "invalid_metadata" and err["param"] == "metadata" and repr(key) in err["message"]
+    assert r.zcard(keys.all_batches()) == before  # nothing was made of them
+    ok = api.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions",
+                                       "metadata": {"source": "mine"}})
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"source": "mine"}, ok.text
+    assert r.zcard(keys.all_batches()) == before + 1
+
+
+def test_results_never_trust_a_batchs_metadata(busy: Path, tmp_path: Path, web: tuple[str, list[str]]) -> None:
+    """A batch whose metadata names a source and row flags the way an older ``sluice submit`` did (put
+    there straight in Redis: an older server let a client write them): ``sluice results`` opens no URL,
+    reads no local file and renders no template of theirs."""
+    from sluice.jobs import keys
+    from sluice.jobs.connection import connect
+
+    url, hits = web
+    template, marker = _evil_template(tmp_path)
+    secret = tmp_path / "secret.csv"
+    secret.write_text("text\nthe operator's secret\n")
+    src = tmp_path / "lines.jsonl"
+    src.write_text('{"custom_id": "0", "prompt": "hi", "max_tokens": 2}\n')
+    res = invoke("submit", src, "--model", "tiny", "--wait", "-o", tmp_path / "lines.out.jsonl")
+    assert res.exit_code == 0, res.output
+    bid = res.stdout.strip()
+    r = connect()
+    assert r.hget(keys.meta(bid), "dataset") is None  # JSONL lines: no dataset of the CLI's own
+
+    rows = json.dumps({"template_file": str(template)})
+    for planted in (f"{url}/rows.csv", str(secret)):
+        r.hset(keys.meta(bid), "metadata", json.dumps({"sluice_source": planted, "sluice_rows": rows}))
+        out = tmp_path / "out.parquet"
+        res = invoke("results", bid, "-o", out)
+        assert res.exit_code == EXIT_USAGE, res.output
+        assert f"batch {bid} was not submitted from a dataset: give --source" in res.stderr
+        assert not out.exists()
+    # With --source the operator names the rows; the planted row flags are still not read.
+    mine = tmp_path / "mine.csv"
+    mine.write_text("prompt\nhi\n")
+    res = invoke("results", bid, "-o", tmp_path / "joined.jsonl", "--source", mine)
+    assert res.exit_code == 0, res.output
+    (joined,) = rows_of(str(tmp_path / "joined.jsonl"))
+    assert joined["prompt"] == "hi" and joined["error"] is None and isinstance(joined["completion"], str)
+    assert hits == [] and not marker.exists()
+    assert "secret" not in (tmp_path / "joined.jsonl").read_text()
+
+
+def test_a_template_that_reaches_for_python_fails_each_row(busy: Path, tmp_path: Path) -> None:
+    """Jinja templates render sandboxed: reaching for the interpreter's insides is each row's own clear
+    error, and nothing of it runs."""
+    template, marker = _evil_template(tmp_path)
+    src = tmp_path / "in.csv"
+    src.write_text("text\none\ntwo\nthree\n")
+    out = tmp_path / "out.jsonl"
+    res = invoke("submit", src, "--model", "tiny", "--template-file", template, "--wait", "-o", out)
+    assert res.exit_code == 1, res.output
+    assert "no valid requests" in res.stderr and "the template is refused: access to attribute" in res.stderr
+    assert not marker.exists() and not out.exists()
+    from sluice.jobs.datasets import read_requests
+    from sluice.jobs.datasets.rows import RowSpec
+
+    got = list(read_requests(str(src), RowSpec(template_file=str(template))))
+    assert [(e.row, e.code) for e in got] == [(0, "unsafe_template"), (1, "unsafe_template"), (2, "unsafe_template")]
+    assert all("is unsafe" in str(e) for e in got)
+    assert not marker.exists()

@@ -237,3 +237,78 @@ def test_the_datasets_package_does_not_import_torch(tmp_path: Path) -> None:
         print(sorted({{'torch', 'engine', 'worker'}} & set(sys.modules)))
         """)
     assert p.stdout.strip() == "[]", p.stderr
+
+
+# ---- issue 40, item 9: bad CSV bytes, huge cells and repeated column names ---------------------------
+def test_csv_bytes_that_are_not_utf8_fail_their_row_alone_by_its_number(tmp_path: Path) -> None:
+    """A few rows past the first block (and the 4 MiB piece) hold bytes that are not UTF-8: each fails
+    alone, named by its own row number and column; every other row reads as written."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    n = rng.randint(9_000, 12_000)
+    bad = dict.fromkeys(sorted(rng.sample(range(n), 4)))
+    pad = "x" * 400  # ~4.5 MB in all: more than one CSV piece
+    lines = [b"text,keep\n"]
+    for i in range(n):
+        text, keep = f"row {i}".encode(), f"{pad}{i}".encode()
+        if i in bad:
+            col = bad[i] = rng.choice(["text", "keep"])
+            cut = rng.randrange(3)
+            if col == "text":
+                text = text[:cut] + b"\xff" + text[cut:]
+            else:
+                keep = keep[:cut] + b"\xc3(" + keep[cut:]
+        lines.append(text + b"," + keep + b"\n")
+    src = tmp_path / "in.csv"
+    src.write_bytes(b"".join(lines))
+    items = list(read_requests(str(src), RowSpec(prompt_column="text")))
+    assert [i.row for i in items] == list(range(n)), seed
+    errors = {i.row: i for i in items if isinstance(i, RowError)}
+    assert set(errors) == set(bad), seed
+    for row, col in bad.items():
+        e = errors[row]
+        assert e.code == "invalid_line" and str(e).startswith(f"row {row}: not UTF-8 (column {col!r}, byte "), (seed, e)
+    good = [i for i in items if isinstance(i, Request)]
+    assert all(job_of(i.line, i.row).messages[0]["content"] == f"row {i.row}" for i in good), seed
+    cells = [c for b in open_source(str(src)).blocks() for c in b.cells()]  # what an output keeps
+    for row, col in bad.items():
+        assert cells[row] is not None and cells[row][col] is None, seed
+        other = "keep" if col == "text" else "text"
+        assert cells[row][other] == (f"{pad}{row}" if other == "keep" else f"row {row}"), seed
+
+
+def test_a_csv_cell_larger_than_a_piece_is_read(tmp_path: Path) -> None:
+    """Cells of 5 to 17 MiB (pyarrow's reader failed the whole file on one over its block), the first
+    right under the header: every row read, whole, in order."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    sizes = {0: 17 << 20, rng.randint(2, 40): 5 << 20, 41: (8 << 20) + rng.randrange(1000)}
+    rows = [{"prompt": f"p{i}", "keep": ("k" * sizes[i]) if i in sizes else str(i)} for i in range(43)]
+    src = tmp_path / "big.csv"
+    with src.open("w") as f:
+        f.write("prompt,keep\n")
+        f.writelines(f'{r["prompt"]},"{r["keep"]}"\n' for r in rows)
+    got = [r for b in open_source(str(src)).blocks() for r in b.rows()]
+    assert [r["prompt"] for r in got] == [r["prompt"] for r in rows], seed  # type: ignore[index]
+    assert [len(r["keep"]) for r in got] == [len(r["keep"]) for r in rows], seed  # type: ignore[index]
+    assert got == rows, seed
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "table"])
+def test_repeated_column_names_are_refused_naming_them(fmt: str, tmp_path: Path) -> None:
+    table = pa.table([pa.array(["hi"]), pa.array(["1"]), pa.array(["2"]), pa.array(["3"]), pa.array(["4"])],
+                     names=["prompt", "x", "y", "x", "y"])
+    if fmt == "csv":
+        (tmp_path / "dup.csv").write_text("prompt,x,y,x,y\nhi,1,2,3,4\n")
+        source: Any = str(tmp_path / "dup.csv")
+    elif fmt == "parquet":
+        pq.write_table(table, tmp_path / "dup.parquet")
+        source = str(tmp_path / "dup.parquet")
+    else:
+        source = open_data(table)
+    with pytest.raises(SourceError) as e:
+        list(read_requests(source))
+    assert str(e.value).endswith("duplicate column names 'x', 'y' (each column needs a name of its own)")
+    src = source if fmt == "table" else open_source(source)
+    with pytest.raises(SourceError, match="duplicate column names 'x', 'y'"):
+        list(src.blocks())

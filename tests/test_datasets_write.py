@@ -186,6 +186,48 @@ def test_rows_left_without_a_result_run_again_on_resume(tmp_path: Path) -> None:
     assert w.close().completed == 30
 
 
+@pytest.mark.parametrize("out_fmt", ["parquet", "jsonl", "csv"])
+@pytest.mark.parametrize("src_fmt", ["parquet", "jsonl", "csv"])
+def test_resume_refuses_another_sources_output(src_fmt: str, out_fmt: str, tmp_path: Path) -> None:
+    """Issue 40, item 8: rows are found by id (here the row number, which every source has), so the
+    output of another source would pass for done. Its rows are checked against the source's: another
+    source's output is refused, untouched; the same rows moved elsewhere, or with rows added, resume."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    rows = make_rows(rng, 30, nulls=True)
+    a = write_source(rows, src_fmt, tmp_path / "a")
+    spec = RowSpec(template="Summarise: {text}")
+    out = str(tmp_path / f"out.{out_fmt}")
+    run_writer(a, out, spec, rng)
+    before = Path(out).read_bytes()
+
+    other = [dict(r) for r in rows]
+    k = rng.randrange(len(other))
+    other[k]["score"] = 1000 + rng.randrange(1000)  # one value of one column no request reads
+    b = write_source(other, src_fmt, tmp_path / "b")
+    with pytest.raises(SourceError) as e:
+        ResultsWriter(out, b, spec, resume=True, rows=8)
+    assert str(e.value) == (f"cannot resume: {out} is not the output of {b} (its row {k}: the source holds another "
+                            "row there); start without --resume, or resume with the source it was made from"), seed
+    longer = write_source(rows[:10], src_fmt, tmp_path / "short")  # the output has rows its source lacks
+    with pytest.raises(SourceError, match=r"\(its row 10: the source has no such row\)"):
+        ResultsWriter(out, longer, spec, resume=True, rows=8)
+    assert Path(out).read_bytes() == before, seed
+    assert not list(tmp_path.glob("*.sluice-journal*")), seed  # a refused resume leaves no journal either
+
+    moved = tmp_path / "moved"
+    Path(a).rename(moved.with_suffix(Path(a).suffix))
+    w = ResultsWriter(out, str(moved.with_suffix(Path(a).suffix)), spec, resume=True, rows=8)
+    assert all(w.done(str(i)) for i in range(len(rows)) if rows[i]["text"] is not None), seed
+    w.abort()
+    w.journal.remove()  # as if that run had ended
+    grown = write_source([*rows, *make_rows(rng, 5)], src_fmt, tmp_path / "grown")
+    w = ResultsWriter(out, grown, spec, resume=True, rows=8)
+    todo = [i.row for i in read_requests(grown, spec, skip=w.done) if isinstance(i, Request)]
+    assert todo[-5:] == list(range(30, 35)) and not [r for r in todo if r < 30 and rows[r]["text"] is not None]
+    w.abort()
+
+
 def test_the_output_cannot_be_the_source(tmp_path: Path) -> None:
     src = write_source(make_rows(random.Random(6), 10), "parquet", tmp_path)
     before = Path(src).read_bytes()

@@ -85,6 +85,28 @@ def test_mixed_batch_keeps_free_tokens_and_isolates_a_bad_grammar(llm: LLM) -> N
     assert re.fullmatch(r"x[0-9][0-9]?", texts["g-3"])
 
 
+def test_a_grammar_that_does_not_compile_says_what_and_where(llm: LLM) -> None:
+    """Issue 40, item 9: xgrammar's own reason and position, on one line (a Lark error's last line is
+    its caret, which was all the message said)."""
+    bad = {
+        "lark": (dict(guided_grammar='start: "a" foo'), "the guided_grammar does not compile: Lark error at line 1, "
+                 "column 12: unknown name 'foo' (in 'start: \"a\" foo')"),
+        "lark2": (dict(guided_grammar='start: x\nx: "a" )'), "the guided_grammar does not compile: Lark error at "
+                  "line 2, column 8: expected end of grammar item (in 'x: \"a\" )')"),
+        "ebnf": (dict(guided_grammar='root ::= "a" b\nb ::= [z-a]'), "the guided_grammar does not compile: EBNF "
+                 "parser error at line 2, column 8: Invalid character class: lower bound is larger than upper bound"),
+        "regex": (dict(guided_regex="ab[c"), "the guided_regex does not compile: Regex parsing error at position 5: "
+                  "Unclosed '['"),
+        "json": (dict(guided_json={"type": "strin"}), 'the guided_json schema does not compile: Unsupported type "strin"'),
+    }
+    reqs = [Request(k, prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, **p)) for k, (p, _) in bad.items()]
+    reqs.append(Request("fine", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, guided_choice=CHOICES)))
+    got = {c.request_id: c for c in llm.generate(reqs)}
+    for k, (_, message) in bad.items():
+        assert (got[k].finish_reason, got[k].error) == ("error", message), k
+    assert got["fine"].finish_reason == "stop" and got["fine"].text in CHOICES
+
+
 def _run_alone(llm: LLM, reqs: list[Request]) -> list[Completion]:
     llm.max_running_seen = 0
     out = llm.generate(reqs)

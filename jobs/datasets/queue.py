@@ -1,16 +1,17 @@
 """A dataset's rows through the job queue: submitted as a batch's lines (line n is row n - 1), and the
 batch's results joined back to the rows (``sluice submit``/``results`` on a dataset, ``sluice.submit``).
 
-A batch submitted here names its source and row spec in its metadata, so ``sluice results`` can join
-its results to the rows later without being told again how they were made.
+A batch submitted here names its source and row spec in its ``dataset`` field, so ``sluice results``
+can join its results to the rows later without being told again how they were made. That field is
+apart from the batch's metadata, which an API client writes: only what ``submit_rows`` wrote is ever
+read back as a source to open or a template to render.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import redis
@@ -21,8 +22,8 @@ from sluice.jobs.schemas import Batch
 from sluice.jobs.store import get_line_errors, output_lines
 from sluice.jobs.submit import submit
 
-META_SOURCE = "sluice_source"  # batch metadata: the source's URL (a local path made absolute)
-META_ROWS = "sluice_rows"  # batch metadata: the RowSpec's fields that are set, as JSON
+SOURCE = "source"  # in a batch's dataset field: the source's URL (a local path made absolute)
+ROWS = "rows"  # in a batch's dataset field: the RowSpec's fields that are set
 
 
 def submit_rows(source: Source, spec: RowSpec, r: redis.Redis, *, metadata: dict[str, str] | None = None,
@@ -39,8 +40,8 @@ def submit_rows(source: Source, spec: RowSpec, r: redis.Redis, *, metadata: dict
             else:
                 yield item.line
 
-    meta = {**(metadata or {}), **spec_metadata(source, spec)}
-    batch = submit(lines(), r=r, metadata=meta, input_name=source.url, **submit_kw)
+    batch = submit(lines(), r=r, metadata=metadata, input_name=source.url, dataset=dataset_field(source, spec),
+                   **submit_kw)
     return batch, row_errors + refused_rows(r, batch)
 
 
@@ -70,19 +71,23 @@ def join_results(r: redis.Redis, batch_id: str, writer: ResultsWriter, row_error
     return writer.close()
 
 
-def spec_metadata(source: Source, spec: RowSpec) -> dict[str, str]:
-    """The batch metadata naming ``source`` and ``spec`` (none for an in-memory source)."""
+def dataset_field(source: Source, spec: RowSpec) -> dict[str, Any] | None:
+    """The batch's dataset field naming ``source`` and ``spec`` (None for an in-memory source)."""
     if source.fs is None and source.format not in ("hub",):
-        return {}
+        return None
     url = source.url if "://" in source.url else os.path.abspath(source.url)
-    fields = {k: v for k, v in asdict(spec).items() if v != getattr(RowSpec, k, None) and v is not None}
+    given = {k: v for k, v in asdict(spec).items() if v != getattr(RowSpec, k, None) and v is not None}
     if spec.template_file and "://" not in spec.template_file:
-        fields["template_file"] = os.path.abspath(spec.template_file)
-    return {META_SOURCE: url, META_ROWS: json.dumps(fields, ensure_ascii=False, separators=(",", ":"))}
+        given["template_file"] = os.path.abspath(spec.template_file)
+    return {SOURCE: url, ROWS: given}
 
 
 def spec_of(batch: Batch) -> tuple[str | None, RowSpec | None]:
-    """The source URL and RowSpec a batch was submitted from (None, None for a batch of JSONL lines)."""
-    url = batch.metadata.get(META_SOURCE)
-    rows = batch.metadata.get(META_ROWS)
-    return url, RowSpec(**json.loads(rows)) if rows is not None else None
+    """The source URL and RowSpec ``submit_rows`` recorded for a batch (None, None for any other batch:
+    JSONL lines, or a batch made through the API, whatever its metadata says)."""
+    ds = batch.dataset or {}
+    url, rows = ds.get(SOURCE), ds.get(ROWS)
+    if not isinstance(url, str) or not isinstance(rows, dict):
+        return None, None
+    known = {f.name for f in fields(RowSpec)}
+    return url, RowSpec(**{k: v for k, v in rows.items() if k in known})

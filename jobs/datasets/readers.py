@@ -8,8 +8,10 @@ CSV blocks, JSONL lines and the memory-mapped Arrow files of a saved dataset are
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
@@ -30,7 +32,8 @@ _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 _PROTOCOL_PACKAGE = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                      "hf": "huggingface_hub"}
 DEFAULT_ROWS = 4096  # rows per batch (and per output row group)
-# A CSV block: pyarrow reads one at a time, so this (not the file) bounds what a CSV costs in memory.
+# A CSV piece: read and parsed one at a time, so this (not the file) bounds what a CSV costs in memory;
+# a line longer than this is a piece of its own length.
 CSV_BLOCK = 4 << 20
 PARQUET_BUFFER = 1 << 20  # bytes read at a time from a Parquet column chunk
 
@@ -42,7 +45,9 @@ class SourceError(ValueError):
 @dataclass
 class Block:
     """Consecutive rows of a source. Arrow sources fill ``batch``; JSONL fills ``dicts``, with None for a
-    line that is not a JSON object (``bad`` says why, by offset in the block), so row numbers stay right."""
+    line that is not a JSON object. ``bad`` says why a row cannot be read (by offset in the block: a JSONL
+    line that is not an object, a CSV row with a cell that is not UTF-8, that cell null in ``batch``);
+    ``rows()`` gives None for it, so the others' row numbers stay right, and ``cells()`` what it holds."""
 
     start: int  # the row number (from 0) of the first row
     batch: pa.RecordBatch | None = None
@@ -53,7 +58,15 @@ class Block:
         return self.batch.num_rows if self.batch is not None else len(self.dicts or [])
 
     def rows(self) -> list[dict[str, Any] | None]:
-        return self.batch.to_pylist() if self.batch is not None else list(self.dicts or [])
+        """The rows to make requests of (None: a row that cannot be read)."""
+        rows = self.cells()
+        for i in self.bad:
+            rows[i] = None
+        return rows
+
+    def cells(self) -> list[dict[str, Any] | None]:
+        """The rows as an output keeps them: a bad CSV row's readable cells too (None: not a row)."""
+        return list(self.batch.to_pylist()) if self.batch is not None else list(self.dicts or [])
 
     def column(self, name: str) -> list[Any]:
         """One column's values (None where a row lacks it)."""
@@ -91,7 +104,10 @@ class Source:
                 yield from _jsonl_blocks(self, rows)
                 return
             for batch in _rechunk(self._batches(rows), rows):
-                yield Block(start, batch=batch)
+                bad: dict[int, str] = {}
+                if self.format == "csv":
+                    batch, bad = _decoded(batch)
+                yield Block(start, batch=batch, bad=bad)
                 start += batch.num_rows
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"cannot read {self.url} (row {start} on): {_one_line(e)}") from None
@@ -140,11 +156,12 @@ class Source:
                     # Not pre-buffered: pyarrow's default keeps every row group it read until the end
                     # (measured: RSS grew with the file); buffered reads stream even one huge row group.
                     pf = pq.ParquetFile(fh, pre_buffer=False, buffer_size=PARQUET_BUFFER)
+                    _check_unique(pf.schema_arrow.names, self.url)
                     yield from pf.iter_batches(batch_size=rows)
         elif self.format == "csv":
-            with fsspec.open(self.url, "rb", compression="infer", **self.storage_options) as fh:
-                yield from _csv_reader(fh, _csv_names(self))
+            yield from _csv_source_batches(self, _csv_names(self))
         elif self.format == "table":
+            _check_unique(self.data.schema.names, self.url)
             yield from self.data.to_batches(max_chunksize=rows)
         elif self.format in ("saved", "hub", "dataset"):
             ds = self.data if self.format == "dataset" else _hf_dataset(self)
@@ -270,10 +287,12 @@ def _arrow_schema(src: Source) -> pa.Schema:
         for f in _parquet_files(src):
             with src.fs.open(f, "rb") as fh:
                 schemas.append(pq.ParquetFile(fh).schema_arrow)
+            _check_unique(schemas[-1].names, f if f != src.path else src.url)
         return pa.unify_schemas(schemas)
     if src.format == "csv":
         return pa.schema([(n, pa.string()) for n in _csv_names(src)])
     if src.format == "table":
+        _check_unique(src.data.schema.names, src.url)
         return src.data.schema
     try:
         return (src.data if src.format == "dataset" else _hf_dataset(src)).features.arrow_schema
@@ -282,18 +301,94 @@ def _arrow_schema(src: Source) -> pa.Schema:
         return first.batch.schema if first is not None and first.batch is not None else pa.schema([])
 
 
+def _check_unique(names: list[str], where: str) -> None:
+    """Rows are dicts by column name: a second column of a name would silently replace the first."""
+    counts = Counter(names)
+    dup = [n for n in dict.fromkeys(names) if counts[n] > 1]
+    if dup:
+        raise SourceError(f"{where}: duplicate column names {', '.join(map(repr, dup))} (each column needs a name "
+                          "of its own)")
+
+
+def csv_rows(data: bytes) -> list[dict[str, Any] | None]:
+    """CSV text's rows as a CSV source's ``Block.cells()`` reads them (every column text)."""
+    names = _csv_header(io.BytesIO(data), "CSV text")
+    return [r for batch in _csv_batches(io.BytesIO(data), names) for r in _decoded(batch)[0].to_pylist()]
+
+
 def _csv_names(src: Source) -> list[str]:
     with fsspec.open(src.url, "rb", compression="infer", **src.storage_options) as fh:
-        return list(pa_csv.open_csv(fh, read_options=pa_csv.ReadOptions(block_size=1 << 16)).schema.names)
+        return _csv_header(fh, src.url)
 
 
-def _csv_reader(fh: Any, names: list[str]) -> Iterator[pa.RecordBatch]:
-    # Every column as text: a CSV has no types, and pyarrow infers them from the first block only, so a
-    # column that looks numeric there and holds text later would fail the run half-way. An empty field is
-    # null (what a null is written as), a quoted "" the empty text.
-    convert = pa_csv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=True,
+def _csv_header(fh: Any, where: str) -> list[str]:
+    """The header's names, from the file's first piece (only as much as its first lines)."""
+    first = next(_csv_pieces(fh, 1 << 16), b"")
+    try:
+        names = list(pa_csv.open_csv(pa.BufferReader(first)).schema.names)
+    except pa.ArrowInvalid as e:
+        raise SourceError(f"cannot read {where}: {_one_line(e)}") from None
+    _check_unique(names, where)
+    return names
+
+
+def _csv_source_batches(src: Source, names: list[str]) -> Iterator[pa.RecordBatch]:
+    with fsspec.open(src.url, "rb", compression="infer", **src.storage_options) as fh:
+        yield from _csv_batches(fh, names)
+
+
+def _csv_batches(fh: Any, names: list[str]) -> Iterator[pa.RecordBatch]:
+    """The rows, every column as bytes (``_decoded`` makes them text, row by row where one is not UTF-8).
+
+    Not pyarrow's streaming reader: it fails the whole file on a line longer than its block ("straddling
+    object"). Here each piece ends at a line's end, as that reader's blocks do (it too takes a newline for
+    a row's end), and a longer line is a piece of its own length."""
+    # A CSV has no types, and inferring them from the first rows would fail the run half-way where a
+    # column that looked numeric there holds text later. An empty field is null (what a null is written
+    # as), a quoted "" the empty text.
+    convert = pa_csv.ConvertOptions(column_types={n: pa.binary() for n in names}, strings_can_be_null=True,
                                     quoted_strings_can_be_null=False)
-    yield from pa_csv.open_csv(fh, read_options=pa_csv.ReadOptions(block_size=CSV_BLOCK), convert_options=convert)
+    for n, piece in enumerate(_csv_pieces(fh, CSV_BLOCK)):
+        # The first piece starts with the header; the others are rows under the same names.
+        opts = pa_csv.ReadOptions(column_names=None if n == 0 else names, use_threads=False,
+                                  block_size=len(piece) + 1)  # the piece in one block: no straddling
+        yield from pa_csv.read_csv(pa.BufferReader(piece), read_options=opts, convert_options=convert).to_batches()
+
+
+def _csv_pieces(fh: Any, size: int) -> Iterator[bytes]:
+    """The file in pieces of about ``size`` bytes, each ending at a line's end."""
+    held: list[bytes] = []  # a line's start, while its end is not read yet
+    while data := fh.read(size):
+        cut = data.rfind(b"\n") + 1
+        if not cut:
+            held.append(data)
+            continue
+        yield b"".join([*held, data[:cut]])
+        held = [data[cut:]] if cut < len(data) else []
+    if any(held):
+        yield b"".join([*held, b"\n"])  # a last line without its newline (a header alone: no rows)
+
+
+def _decoded(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, dict[int, str]]:
+    """A CSV batch's byte columns as text; a row with a cell that is not UTF-8 is bad (by offset, naming
+    the column and byte), so it fails alone; that cell is null, the row's others kept for the output."""
+    columns: list[pa.Array] = []
+    bad: dict[int, str] = {}
+    for name, col in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            columns.append(col.cast(pa.string()))
+            continue
+        except pa.ArrowInvalid:  # not UTF-8 somewhere: find the rows, in Python (the rare path)
+            pass
+        values: list[str | None] = []
+        for i, v in enumerate(col.to_pylist()):
+            try:
+                values.append(None if v is None else v.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                bad.setdefault(i, f"not UTF-8 (column {name!r}, byte {e.start + 1})")
+                values.append(None)
+        columns.append(pa.array(values, pa.string()))
+    return pa.RecordBatch.from_arrays(columns, names=batch.schema.names), bad
 
 
 def _jsonl_blocks(src: Source, rows: int) -> Iterator[Block]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import string
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
@@ -52,9 +53,14 @@ class RowSpec:
             raise SpecError("system needs chat requests (chat=True)")
         if self.template is not None:
             try:
-                list(string.Formatter().parse(self.template))
+                parts = list(string.Formatter().parse(self.template))
+                names = [f for _, f, _, _ in parts if f]  # with the fields nested in a format spec ({x:{w}})
+                names += [f for _, _, fs, _ in parts if fs for _, f, _, _ in string.Formatter().parse(fs) if f]
             except ValueError as e:
                 raise SpecError(f"template: {e}") from None
+            private = [f for f in names if any(a.startswith("_") for a in re.findall(r"\.([^.\[]*)", f))]
+            if private:  # str.format reaches any attribute: '{text.__class__}' would read the interpreter's insides
+                raise SpecError(f"template: field {{{private[0]}}} reads a private attribute")
 
     def columns_used(self) -> list[str]:
         """Columns every row must have (a template's fields; the prompt, messages and id columns)."""
@@ -264,7 +270,9 @@ def _format(template: str, row: dict[str, Any]) -> str:
 
 
 def _jinja_template(url: str) -> Any:
-    jinja2 = need("jinja2", "template files")
+    need("jinja2", "template files")
+    import jinja2
+    import jinja2.sandbox
     from sluice.jobs.datasets.readers import url_to_fs
 
     fs, path = url_to_fs(url, {})
@@ -273,9 +281,11 @@ def _jinja_template(url: str) -> Any:
             text = f.read()
     except OSError as e:
         raise SpecError(f"template file {url}: {e}") from None
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)
+    # Sandboxed: a template is data (a file, a URL), and a plain Environment runs whatever Python it reaches.
+    env = jinja2.sandbox.SandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False,
+                                              keep_trailing_newline=False)
     try:
-        template = env.from_string(text)
+        template: Any = env.from_string(text)  # carries its source text (sluice_source) for the record
         template.sluice_source = text
         return template
     except jinja2.TemplateSyntaxError as e:
@@ -291,9 +301,12 @@ def _jinja_names(template: Any) -> set[str]:
 
 def _render_jinja(template: Any, row: dict[str, Any]) -> str:
     import jinja2
+    import jinja2.sandbox
 
     try:
         return template.render({"row": row, **row})
+    except jinja2.sandbox.SecurityError as e:
+        raise _Bad("unsafe_template", f"the template is refused: {e}") from None
     except jinja2.UndefinedError as e:
         raise _Bad("missing_column", f"the template needs {e.message}") from None
     except Exception as e:  # noqa: BLE001 - a row's values can break a template in any way: that row fails

@@ -28,6 +28,7 @@ from sluice.jobs.datasets.readers import (
     Block,
     Source,
     SourceError,
+    csv_rows,
     format_of_name,
     json_default,
     open_source,
@@ -228,26 +229,80 @@ class ResultsWriter:
             raise SourceError(f"the journal {self.journal.path} is of another run (source, id column or "
                               "columns differ): start without resume, or remove it")
         if resume and old is None and fs.exists(path):
-            self._import_output()
+            try:
+                self._import_output()
+            except SourceError:  # the journal is the one just made (it had no key): nothing to keep
+                self.journal.close()
+                self.journal.remove()
+                raise
         self.journal.set_meta("key", key)
 
     def _import_output(self) -> None:
-        """Rows of a finished earlier output (same source, in row order) count as done."""
+        """Rows of a finished earlier output (same source, in row order) count as done.
+
+        Results are found by custom_id, which another source's output has too (row numbers, or the same
+        ids): so each output row must carry the source's row as this output writes it (an output keeps
+        every column of its source). That is the output's fingerprint of its input, checked row by row:
+        it needs nothing stored beside the output, holds for outputs of any version, and lets a source
+        move. The first row that differs refuses the resume (nothing is imported)."""
         try:
             earlier = open_source(self.output, format=self.format, storage_options=self.storage_options)
+            mine = self.source.blocks(self.rows)
             n = 0
+            done: list[tuple[str, dict[str, Any]]] = []
             for block in earlier.blocks(self.rows):
-                for row in block.rows():
+                expected = self._as_written(next(mine, None), len(block))
+                for row, want in zip(block.rows(), expected, strict=True):
                     if row is not None:
+                        self._check_row(n, row, want)
                         cols = columns_from_output_row(row, self.prefix, self.embeddings)
                         cid = safe_row_id(row.get(self.spec.id_column) if self.spec.id_column else n,
                                           self.spec.id_column)
                         if cid is not None and (cols.get("error") or {}).get("code") != NO_RESULT:
-                            self.journal.put(cid, cols)
+                            done.append((cid, cols))
                     n += 1
+        except _OtherSource:
+            raise
         except (SourceError, OSError, pa.ArrowException, ValueError) as e:
             raise SourceError(f"cannot resume from {self.output}: it is unreadable ({e}) and there is no "
                               "journal of the run; start without resume") from None
+        for cid, cols in done:
+            self.journal.put(cid, cols)
+
+    def _as_written(self, block: Block | None, n: int) -> list[dict[str, Any] | None]:
+        """The source columns of ``block``'s rows as this output reads back once written (None: no row)."""
+        if block is None:
+            return [None] * n
+        if self.format == "jsonl":
+            return ([_canonical(dict(r or {})) for r in block.cells()] + [None] * n)[:n]
+        assert self.schema is not None
+        batch = _source_batch(block, self.schema.remove_metadata())
+        if self.format == "csv":
+            buf = pa.BufferOutputStream()
+            pa_csv.write_csv(pa.Table.from_batches([_csv_batch(batch)]), buf)
+            rows: list[dict[str, Any] | None] = list(csv_rows(buf.getvalue().to_pybytes()))
+        else:
+            rows = list(batch.to_pylist())
+        return ([None if r is None else _canonical(r) for r in rows] + [None] * n)[:n]
+
+    def _check_row(self, n: int, row: dict[str, Any], want: dict[str, Any] | None) -> None:
+        ours = {name for name, _ in self.fields}
+        got = _canonical({k: v for k, v in row.items() if k not in ours})
+        if got != want:
+            what = "has no such row" if want is None else "holds another row there"
+            raise _OtherSource(f"cannot resume: {self.output} is not the output of {self.source.url} (its row {n}: "
+                               f"the source {what}); start without --resume, or resume with the source it was "
+                               "made from")
+
+
+class _OtherSource(SourceError):
+    """The output a resume was to keep holds another source's rows."""
+
+
+def _canonical(row: dict[str, Any]) -> Any:
+    """A row's non-null values as comparable JSON (NaN equals NaN; bytes, times and decimals as written)."""
+    return json.dumps({k: v for k, v in row.items() if v is not None}, sort_keys=True, ensure_ascii=False,
+                      default=json_default)
 
 
 def default_journal(output: str, fs: Any, path: str) -> Path:
@@ -276,7 +331,7 @@ class _Sink:
 class _JsonlSink(_Sink):
     def write(self, block: Block, cols: list[dict[str, Any]]) -> None:
         lines = []
-        for row, c in zip(block.rows(), cols, strict=True):
+        for row, c in zip(block.cells(), cols, strict=True):
             out = dict(row or {})
             out.update((name, c.get(base)) for (name, _), base in zip(self.fields, self.base, strict=True))
             lines.append(json.dumps(out, ensure_ascii=False, default=json_default) + "\n")
@@ -292,9 +347,7 @@ class _ArrowSink(_Sink):
         self.schema = pa.schema(list(self.source_schema) + [pa.field(n, t) for n, t in fields])
 
     def batch(self, block: Block, cols: list[dict[str, Any]]) -> pa.RecordBatch:
-        src = block.to_arrow(self.source_schema)
-        if src.schema != self.source_schema:
-            src = src.cast(self.source_schema)
+        src = _source_batch(block, self.source_schema)
         arrays = [pa.array([c.get(base) for c in cols], type=t)
                   for (_, t), base in zip(self.fields, self.base, strict=True)]
         return pa.RecordBatch.from_arrays(list(src.columns) + arrays, schema=self.schema)
@@ -316,22 +369,32 @@ class _ParquetSink(_ArrowSink):
 class _CsvSink(_ArrowSink):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        # CSV holds no nested values: structs and lists (usage, error, a messages column) as JSON text.
-        self.nested = {i for i, f in enumerate(self.schema) if pa.types.is_nested(f.type)}
-        self.csv_schema = pa.schema([pa.field(f.name, pa.string()) if i in self.nested else f
-                                     for i, f in enumerate(self.schema)])
-        self.writer = pa_csv.CSVWriter(self.file, self.csv_schema)
+        self.writer = pa_csv.CSVWriter(self.file, _csv_schema(self.schema))
 
     def write(self, block: Block, cols: list[dict[str, Any]]) -> None:
-        b = self.batch(block, cols)
-        arrays = [pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=json_default)
-                            for v in b.column(i).to_pylist()], pa.string()) if i in self.nested else b.column(i)
-                  for i in range(b.num_columns)]
-        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.csv_schema))
+        self.writer.write_batch(_csv_batch(self.batch(block, cols)))
 
     def close(self) -> None:
         self.writer.close()
         super().close()
+
+
+def _source_batch(block: Block, schema: pa.Schema) -> pa.RecordBatch:
+    """A block's source columns as an Arrow output writes them."""
+    src = block.to_arrow(schema)
+    return src if src.schema == schema else src.cast(schema)
+
+
+def _csv_schema(schema: pa.Schema) -> pa.Schema:
+    # CSV holds no nested values: structs and lists (usage, error, a messages column) as JSON text.
+    return pa.schema([pa.field(f.name, pa.string()) if pa.types.is_nested(f.type) else f for f in schema])
+
+
+def _csv_batch(b: pa.RecordBatch) -> pa.RecordBatch:
+    arrays = [pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=json_default)
+                        for v in col.to_pylist()], pa.string()) if pa.types.is_nested(col.type) else col
+              for col in b.columns]
+    return pa.RecordBatch.from_arrays(arrays, schema=_csv_schema(b.schema))
 
 
 def _open_sink(url: str, fmt: str, schema: pa.Schema | None, fields: list[tuple[str, pa.DataType]], prefix: str,
