@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncCluster
 from sluice.jobs import keys
 from sluice.jobs.connection import is_cluster_url, redis_url
+from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.schemas import Result
 from sluice.jobs.store import cancel_batch, delete_batch
 
@@ -48,7 +49,9 @@ def admit(r: redis.Redis, queue: str, batch_id: str, bound: int, stale_after: fl
     pipe.zremrangebyscore(key, "-inf", now - stale_after)
     pipe.zadd(key, {batch_id: now})
     pipe.zcard(key)
-    if pipe.execute()[-1] <= bound:
+    with refused_when_full(NOTHING_QUEUED):  # a refused ZADD discards the whole transaction: nothing kept
+        admitted = pipe.execute()[-1] <= bound
+    if admitted:
         return True
     r.zrem(key, batch_id)  # over the bound: never over-admits (two at the edge may both be refused)
     return False
@@ -60,12 +63,14 @@ def waiting(r: redis.Redis, queue: str) -> int:
 
 def close(r: redis.Redis, queue: str, batch_id: str, cancel: bool) -> None:
     """The request is answered or given up (``cancel``: its job is cancelled first, so a worker running it
-    aborts it): its keys go."""
-    if cancel:
-        cancel_batch(r, batch_id)
-    delete_batch(r, batch_id)
-    r.delete(keys.deltas(batch_id))
-    r.zrem(keys.interactive(queue), batch_id)
+    aborts it): its keys go, even when the cancel is refused (a full job server: deletes are allowed)."""
+    try:
+        if cancel:
+            cancel_batch(r, batch_id)
+    finally:
+        delete_batch(r, batch_id)
+        r.delete(keys.deltas(batch_id))
+        r.zrem(keys.interactive(queue), batch_id)
 
 
 # ---- the worker's side: text deltas -----------------------------------------------------------------
