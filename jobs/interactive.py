@@ -13,7 +13,8 @@ the job plane.
   (fields: ``w`` worker id, ``a`` its attempt, ``n`` sample index, ``t`` text); the final result's text
   completes what the deltas did not carry. A run that changes (another worker or attempt) once text was
   sent, or a running worker whose heartbeat is gone, ends the stream with an error: no hang.
-- Once answered (or cancelled), the request's keys are deleted; the deltas stream also has a TTL.
+- Once answered (or cancelled), the request's keys are deleted; the deltas stream also has a TTL. A worker
+  appends deltas only while the request's meta key exists, so a late append never recreates the stream.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncCluster
-from sluice.jobs import keys
+from sluice.jobs import keys, scripts
 from sluice.jobs.connection import is_cluster_url, redis_url
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.schemas import Result
+from sluice.jobs.scripts import Scripts
 from sluice.jobs.store import cancel_batch, delete_batch
 
 PREFIX = "req_"
@@ -74,12 +76,11 @@ def close(r: redis.Redis, queue: str, batch_id: str, cancel: bool) -> None:
 
 
 # ---- the worker's side: text deltas -----------------------------------------------------------------
-def append_deltas(pipe: Any, batch_id: str, worker: str, attempt: int, texts: list[tuple[int, str]]) -> None:
-    """Queue on ``pipe`` the new text of a streaming job's samples: (sample index, text) each."""
-    key = keys.deltas(batch_id)
-    for index, text in texts:
-        pipe.xadd(key, {"w": worker, "a": attempt, "n": index, "t": text})
-    pipe.expire(key, DELTAS_TTL)
+def append_deltas(s: Scripts, pipe: Any, batch_id: str, worker: str, attempt: int,
+                  texts: list[tuple[int, str]]) -> None:
+    """Queue on ``pipe`` the new text of a streaming job's samples: (sample index, text) each. Appended only
+    while the request's keys exist: never after the API deleted them (scripts.APPEND_DELTAS)."""
+    scripts.append_deltas(s, batch_id, worker, attempt, texts, DELTAS_TTL, pipe)
 
 
 # ---- the API's side: waiting ------------------------------------------------------------------------
