@@ -30,6 +30,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncCluster
 from sluice.jobs import keys, scripts
 from sluice.jobs.connection import is_cluster_url, redis_url
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
+from sluice.jobs.pipes import NodePipes
 from sluice.jobs.schemas import Result
 from sluice.jobs.scripts import Scripts
 from sluice.jobs.store import cancel_batch, delete_batch
@@ -76,11 +77,16 @@ def close(r: redis.Redis, queue: str, batch_id: str, cancel: bool) -> None:
 
 
 # ---- the worker's side: text deltas -----------------------------------------------------------------
-def append_deltas(s: Scripts, pipe: Any, batch_id: str, worker: str, attempt: int,
-                  texts: list[tuple[int, str]]) -> None:
-    """Queue on ``pipe`` the new text of a streaming job's samples: (sample index, text) each. Appended only
-    while the request's keys exist: never after the API deleted them (scripts.APPEND_DELTAS)."""
-    scripts.append_deltas(s, batch_id, worker, attempt, texts, DELTAS_TTL, pipe)
+def append_deltas(r: redis.Redis, s: Scripts, worker: str, texts: list[tuple[str, int, int, str]]) -> None:
+    """The new text of streaming jobs, (batch id, attempt, sample index, text) each, in one round trip (one a
+    node on a cluster). Appended only while the request's keys exist: never after the API deleted them
+    (scripts.APPEND_DELTAS). Raises the first error reply."""
+    pipes = NodePipes(r)
+    for batch_id, attempt, index, text in texts:
+        scripts.append_deltas(s, batch_id, worker, attempt, [(index, text)], DELTAS_TTL, pipes.on(keys.meta(batch_id)))
+    for reply in pipes.execute():
+        if isinstance(reply, Exception):
+            raise reply
 
 
 # ---- the API's side: waiting ------------------------------------------------------------------------

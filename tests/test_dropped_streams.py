@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from cli_api_helpers import ROOT, WORDS, default_sigint, stop, wait_for_url
 from helpers import fresh_seed
@@ -35,7 +36,7 @@ from jobs_helpers import wait_for, worker_process
 from paced import PACE
 from sluice.jobs import keys
 
-pytest_plugins = ["jobs_fixtures"]
+pytest_plugins = ["jobs_fixtures", "cluster_fixtures"]
 
 KEY = "sk-sluice-test"
 MAX_TOKENS = 3500  # paced, a run takes MAX_TOKENS / PACE = 70 s or more: only a cancel ends it sooner
@@ -251,3 +252,36 @@ def test_dropped_streams_are_cancelled_and_leave_nothing(r: redis.Redis, tiny_mo
         except subprocess.TimeoutExpired:
             worker.kill()
         assert stop(api) == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("server", ["embedded", "cluster"])
+def test_an_append_after_the_request_is_gone_recreates_nothing(server: str, request: pytest.FixtureRequest) -> None:
+    """The worker's append (interactive.append_deltas, one round trip for several requests, a node each on a
+    cluster) reaches the requests still open and brings back none of those the API closed."""
+    from sluice.jobs import interactive
+    from sluice.jobs.lines import parse_line
+    from sluice.jobs.scripts import Scripts
+    from sluice.jobs.submit import submit_job
+
+    r = request.getfixturevalue("r" if server == "embedded" else "cr")
+    rng = random.Random(fresh_seed())
+    s = Scripts(r)
+    ids = [interactive.new_request_id() for _ in range(rng.randint(6, 12))]
+    for rid in ids:
+        job = parse_line(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(3)), "max_tokens": 4}), 1)
+        assert interactive.admit(r, "tiny", rid, 100, 60.0)
+        submit_job(r, job.model_copy(update={"stream": True}), "tiny", batch_id=rid, priority=0)
+    texts = [(rid, 1, 0, rng.choice(WORDS)) for rid in ids]
+    interactive.append_deltas(r, s, "worker-x", texts)
+    assert all(r.xlen(keys.deltas(rid)) == 1 and r.ttl(keys.deltas(rid)) > 0 for rid in ids)
+    closed = set(rng.sample(ids, len(ids) // 2))
+    for rid in closed:
+        interactive.close(r, "tiny", rid, cancel=True)
+    interactive.append_deltas(r, s, "worker-x", texts)  # late: half of them are gone
+    for rid in ids:
+        assert r.xlen(keys.deltas(rid)) == (0 if rid in closed else 2), rid
+        assert bool(r.exists(keys.meta(rid))) == (rid not in closed), rid
+    for rid in set(ids) - closed:
+        interactive.close(r, "tiny", rid, cancel=False)
+    interactive.append_deltas(r, s, "worker-x", texts)
+    assert _left_behind(r, ids) == []

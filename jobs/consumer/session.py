@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis
-from sluice.jobs import interactive, keys
+from sluice.jobs import interactive
 from sluice.jobs.consumer import commands, outcomes
 from sluice.jobs.consumer.cancel_feed import CancelFeed
 from sluice.jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
@@ -42,7 +42,6 @@ from sluice.jobs.consumer.link import Link
 from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
 from sluice.jobs.consumer.upkeep import Upkeep
 from sluice.jobs.housekeeping import RESULTS_TTL
-from sluice.jobs.pipes import NodePipes
 from sluice.jobs.schemas import Result
 from sluice.jobs.store import served_queues
 
@@ -255,13 +254,8 @@ class ConsumerSession:
             self._guard(self._append_deltas, texts)
 
     def _append_deltas(self, texts: list[tuple[Delivery, int, str]]) -> None:
-        pipes = NodePipes(self.link.r)  # a script each: on a cluster, each to its request's node
-        for d, index, text in texts:
-            pipe = pipes.on(keys.meta(d.batch_id))
-            interactive.append_deltas(self.link.scripts, pipe, d.batch_id, self.id, d.deliveries, [(index, text)])
-        for reply in pipes.execute():
-            if isinstance(reply, Exception):
-                raise reply  # to _guard, as a failed round trip
+        interactive.append_deltas(self.link.r, self.link.scripts, self.id,
+                                  [(d.batch_id, d.deliveries, index, text) for d, index, text in texts])
 
     def settle(self, d: Delivery, status: str, code: str, message: str) -> None:
         self.outbox.add(outcomes.settled(d, status, code, message, self.id, self.queue))
