@@ -8,8 +8,8 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sluice.jobs.full import JobServerFull
 from sluice.jobs.spill import SpilledResultsMissing
-from sluice.jobs.submit import JobServerFull
 from starlette.exceptions import HTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",

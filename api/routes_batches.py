@@ -12,9 +12,17 @@ from sluice.api.errors import ApiError, not_found
 from sluice.api.filestore import error_file_id, output_file_id
 from sluice.api.state import Redis, State
 from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, RESERVED_METADATA_PREFIX, Batch, LineErrorInfo
-from sluice.jobs.store import cancel_batch, get_batch, page_batches, read_results, set_batch_options
+from sluice.jobs.store import (
+    cancel_batch,
+    delete_batch,
+    get_batch,
+    page_batches,
+    read_results,
+    set_batch_options,
+)
 from sluice.jobs.submit import UnknownModel, resolve_model, submit
 from sluice.jobs.units import parse_duration
 
@@ -91,7 +99,8 @@ def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
     except OSError:
         raise not_found("file", body.input_file_id) from None
     expires = body.output_expires_after.seconds if body.output_expires_after is not None else None
-    set_batch_options(r, batch.id, body.completion_window, expires)
+    with refused_when_full(NOTHING_QUEUED, lambda: delete_batch(r, batch.id)):  # its jobs go with it
+        set_batch_options(r, batch.id, body.completion_window, expires)
     batch = batch.model_copy(update={"completion_window": body.completion_window, "output_expires_after": expires})
     return batch_object(batch)
 

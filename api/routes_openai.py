@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -38,6 +38,7 @@ from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
 from sluice.jobs.store import served_kinds
 from sluice.jobs.submit import UnknownModel, resolve_model, submit_job
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 router = APIRouter(tags=["openai"])
 
@@ -102,8 +103,8 @@ async def _serve(request: Request, body: dict[str, Any], url: str) -> Any:
         job = job.model_copy(update={"stream": True})
     call = await run_in_threadpool(_queue, state, job, url)
     if stream:
-        return StreamingResponse(_sse(request, call, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        s = _Stream(call, include_usage)
+        return _EventStream(_sse(request, s), lambda: _end_stream(request, s))
     try:
         return await _answer(request, call)
     finally:
@@ -181,8 +182,7 @@ async def _gone(request: Request) -> None:
     """Returns once the client has gone away. Its own task: ``request.is_disconnected()`` never sees a
     disconnect behind a BaseHTTPMiddleware (its receive wrapper always yields, so a non-blocking peek is
     cancelled first), while a blocking receive returns ``http.disconnect`` when it comes."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _disconnected(request.receive)
 
 
 async def _answer(request: Request, call: _Call) -> Any:
@@ -232,6 +232,7 @@ class _Stream:
 
     call: _Call
     include_usage: bool
+    status: str = "499"  # until something else is known: the client went away
     run: tuple[str, str] | None = None
     sent: dict[int, str] = field(default_factory=dict)
     first_token_at: float | None = None
@@ -306,52 +307,89 @@ def _error_event(status: int, message: str, code: str) -> str:
     return _event(error_body(status, message, code=code))
 
 
-async def _sse(request: Request, call: _Call, include_usage: bool) -> AsyncIterator[str]:
-    s = _Stream(call, include_usage)
+class _EventStream(StreamingResponse):
+    """Server-sent events whose end, however it comes (the last event, the client gone, the server
+    stopping), runs ``on_end`` at once: not in the generator's ``finally``, which Starlette leaves suspended
+    when it cancels the stream between two events, so that it ran only once garbage collected."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_end: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events, self.on_end = events, on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send_all, send, tg.cancel_scope)
+                await _disconnected(receive)  # the client went away: the stream stops now, not at its next event
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+                await self.on_end()
+
+    async def _send_all(self, send: Send, scope: anyio.CancelScope) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # a server that says the client is gone by failing the send (ASGI 2.4): gone all the same
+        scope.cancel()  # done: stop listening for the client
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once ``http.disconnect`` comes (the request's body was read before the stream began)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _end_stream(request: Request, s: _Stream) -> None:
+    call = s.call
+    call.metrics(request).latency.labels(call.url, "true", s.status).observe(time.monotonic() - call.started)
+    await call.close()
+
+
+async def _sse(request: Request, s: _Stream) -> AsyncGenerator[str, None]:
+    """The events of one streamed request; ``s.status`` says how it ended (_EventStream cleans up)."""
+    call = s.call
     waiter = _waiter(request, call, deltas=True)
     metrics = call.metrics(request)
-    status = "499"  # until something else is known: the client went away
-    try:
-        if call.job.kind == "chat":
-            yield s.first()
-        while True:
-            left = call.deadline - time.monotonic()
-            if left <= 0:
-                status = "504"
-                yield _error_event(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
-                                   "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", "timeout")
-                break
-            ds, result = await waiter.read(min(BLOCK_S, left))
-            try:
-                chunks = s.deltas(ds)
-            except _RunChanged as e:
-                status = "500"
-                yield _error_event(500, str(e), "worker_lost")
-                break
-            if chunks and s.first_token_at is None:
-                s.first_token_at = time.monotonic()
-                metrics.ttft.labels(call.url).observe(s.first_token_at - call.started)
-            for c in chunks:
+    if call.job.kind == "chat":
+        yield s.first()
+    while True:
+        left = call.deadline - time.monotonic()
+        if left <= 0:
+            s.status = "504"
+            yield _error_event(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
+                               "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", "timeout")
+            return
+        ds, result = await waiter.read(min(BLOCK_S, left))
+        try:
+            chunks = s.deltas(ds)
+        except _RunChanged as e:
+            s.status = "500"
+            yield _error_event(500, str(e), "worker_lost")
+            return
+        if chunks and s.first_token_at is None:
+            s.first_token_at = time.monotonic()
+            metrics.ttft.labels(call.url).observe(s.first_token_at - call.started)
+        for c in chunks:
+            yield c
+        if result is not None:
+            call.answered = True
+            if result.status != "completed":
+                code_status, code, message = _failure(result)
+                s.status = str(code_status)
+                yield _error_event(code_status, message, code)
+                return
+            s.status = "200"
+            if s.first_token_at is None:
+                metrics.ttft.labels(call.url).observe(time.monotonic() - call.started)
+            for c in s.finish(result):
                 yield c
-            if result is not None:
-                call.answered = True
-                if result.status != "completed":
-                    code_status, code, message = _failure(result)
-                    status = str(code_status)
-                    yield _error_event(code_status, message, code)
-                    break
-                status = "200"
-                if s.first_token_at is None:
-                    metrics.ttft.labels(call.url).observe(time.monotonic() - call.started)
-                for c in s.finish(result):
-                    yield c
-                yield "data: [DONE]\n\n"
-                break
-            if not ds and s.run is not None and not await waiter.worker_alive(s.run[0]):
-                status = "500"
-                yield _error_event(500, f"the worker running this request ({s.run[0]}) stopped mid-stream (crashed?); "
-                                   "the request was cancelled", "worker_lost")
-                break
-    finally:
-        metrics.latency.labels(call.url, "true", status).observe(time.monotonic() - call.started)
-        await call.close()
+            yield "data: [DONE]\n\n"
+            return
+        if not ds and s.run is not None and not await waiter.worker_alive(s.run[0]):
+            s.status = "500"
+            yield _error_event(500, f"the worker running this request ({s.run[0]}) stopped mid-stream (crashed?); "
+                               "the request was cancelled", "worker_lost")
+            return

@@ -13,7 +13,8 @@ the job plane.
   (fields: ``w`` worker id, ``a`` its attempt, ``n`` sample index, ``t`` text); the final result's text
   completes what the deltas did not carry. A run that changes (another worker or attempt) once text was
   sent, or a running worker whose heartbeat is gone, ends the stream with an error: no hang.
-- Once answered (or cancelled), the request's keys are deleted; the deltas stream also has a TTL.
+- Once answered (or cancelled), the request's keys are deleted; the deltas stream also has a TTL. A worker
+  appends deltas only while the request's meta key exists, so a late append never recreates the stream.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncCluster
-from sluice.jobs import keys
+from sluice.jobs import keys, scripts
 from sluice.jobs.connection import is_cluster_url, redis_url
+from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
+from sluice.jobs.pipes import NodePipes
 from sluice.jobs.schemas import Result
+from sluice.jobs.scripts import Scripts
 from sluice.jobs.store import cancel_batch, delete_batch
 
 PREFIX = "req_"
@@ -48,7 +52,9 @@ def admit(r: redis.Redis, queue: str, batch_id: str, bound: int, stale_after: fl
     pipe.zremrangebyscore(key, "-inf", now - stale_after)
     pipe.zadd(key, {batch_id: now})
     pipe.zcard(key)
-    if pipe.execute()[-1] <= bound:
+    with refused_when_full(NOTHING_QUEUED):  # a refused ZADD discards the whole transaction: nothing kept
+        admitted = pipe.execute()[-1] <= bound
+    if admitted:
         return True
     r.zrem(key, batch_id)  # over the bound: never over-admits (two at the edge may both be refused)
     return False
@@ -60,21 +66,27 @@ def waiting(r: redis.Redis, queue: str) -> int:
 
 def close(r: redis.Redis, queue: str, batch_id: str, cancel: bool) -> None:
     """The request is answered or given up (``cancel``: its job is cancelled first, so a worker running it
-    aborts it): its keys go."""
-    if cancel:
-        cancel_batch(r, batch_id)
-    delete_batch(r, batch_id)
-    r.delete(keys.deltas(batch_id))
-    r.zrem(keys.interactive(queue), batch_id)
+    aborts it): its keys go, even when the cancel is refused (a full job server: deletes are allowed)."""
+    try:
+        if cancel:
+            cancel_batch(r, batch_id)
+    finally:
+        delete_batch(r, batch_id)
+        r.delete(keys.deltas(batch_id))
+        r.zrem(keys.interactive(queue), batch_id)
 
 
 # ---- the worker's side: text deltas -----------------------------------------------------------------
-def append_deltas(pipe: Any, batch_id: str, worker: str, attempt: int, texts: list[tuple[int, str]]) -> None:
-    """Queue on ``pipe`` the new text of a streaming job's samples: (sample index, text) each."""
-    key = keys.deltas(batch_id)
-    for index, text in texts:
-        pipe.xadd(key, {"w": worker, "a": attempt, "n": index, "t": text})
-    pipe.expire(key, DELTAS_TTL)
+def append_deltas(r: redis.Redis, s: Scripts, worker: str, texts: list[tuple[str, int, int, str]]) -> None:
+    """The new text of streaming jobs, (batch id, attempt, sample index, text) each, in one round trip (one a
+    node on a cluster). Appended only while the request's keys exist: never after the API deleted them
+    (scripts.APPEND_DELTAS). Raises the first error reply."""
+    pipes = NodePipes(r)
+    for batch_id, attempt, index, text in texts:
+        scripts.append_deltas(s, batch_id, worker, attempt, [(index, text)], DELTAS_TTL, pipes.on(keys.meta(batch_id)))
+    for reply in pipes.execute():
+        if isinstance(reply, Exception):
+            raise reply
 
 
 # ---- the API's side: waiting ------------------------------------------------------------------------

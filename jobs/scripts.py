@@ -274,3 +274,25 @@ return {spilled, redis.call('XRANGE', KEYS[2], ARGV[1], '+', 'COUNT', ARGV[2])}
 def results_after(s: Scripts, batch_id: str, start: str, count: int) -> tuple[str, list[Any]]:
     spilled_id, entries = s.run(READ_RESULTS, [keys.meta(batch_id), keys.results(batch_id)], [start, count])
     return spilled_id or "", entries
+
+# A streaming job's new text (jobs/interactive.py), appended only while its request lives: the API deletes
+# the request's keys once it is answered or given up, and an append after that must not bring its deltas
+# stream back (nobody would read it; it would sit out its TTL).
+# KEYS: meta, deltas; ARGV: ttl seconds, worker id, attempt, (sample index, text)... -> entries appended
+APPEND_DELTAS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 4, #ARGV, 2 do
+  redis.call('XADD', KEYS[2], '*', 'w', ARGV[2], 'a', ARGV[3], 'n', ARGV[i], 't', ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return (#ARGV - 3) / 2
+"""
+
+
+def append_deltas(s: Scripts, batch_id: str, worker: str, attempt: int, texts: list[tuple[int, str]], ttl: int,
+                  client: Any = None) -> Any:
+    """``texts``: (sample index, text) each; on ``client`` (a pipeline) or at once."""
+    args: list[Any] = [ttl, worker, attempt]
+    for index, text in texts:
+        args += [index, text]
+    return s.run(APPEND_DELTAS, [keys.meta(batch_id), keys.deltas(batch_id)], args, client)

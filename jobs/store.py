@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from sluice.jobs import keys, spill
 from sluice.jobs.consumer.commands import publish_cancel
+from sluice.jobs.full import CANCEL_REFUSED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import (
     CHAT_URL,
@@ -259,13 +260,14 @@ def cancel_batch(r: redis.Redis, batch_id: str) -> Batch | None:
     and workers abort its in-flight sequences on their next step. None if there is no such batch."""
     s = Scripts(r)
     now = time.time()
-    old = transition(s, batch_id, "cancelling", "cancelling_at", now, ("validating", "in_progress"))
-    if old is None:
-        return None
-    if old in ("validating", "in_progress", "cancelling"):
-        meta = r.hmget(keys.meta(batch_id), "model", "total")
-        publish_cancel(r, keys.queue_name(meta[0]), batch_id, None, "cancelled")
-        sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
+    with refused_when_full(CANCEL_REFUSED):
+        old = transition(s, batch_id, "cancelling", "cancelling_at", now, ("validating", "in_progress"))
+        if old is None:
+            return None
+        if old in ("validating", "in_progress", "cancelling"):
+            meta = r.hmget(keys.meta(batch_id), "model", "total")
+            publish_cancel(r, keys.queue_name(meta[0]), batch_id, None, "cancelled")
+            sweep_all(r, s, batch_id, int(meta[1] or 0), "cancelled", "batch_cancelled", "the batch was cancelled")
     return get_batch(r, batch_id)
 
 
@@ -276,12 +278,13 @@ def cancel_job(r: redis.Redis, batch_id: str, custom_id: str) -> bool:
         return False
     s = Scripts(r)
     now = time.time()
-    written, fin = sweep(s, batch_id, [int(idx)], "cancelled", "cancelled", "the job was cancelled", now)
-    if written:
-        model = keys.queue_name(r.hget(keys.meta(batch_id), "model"))
-        publish_cancel(r, model, batch_id, idx, "cancelled")
-    if fin:
-        retire_batch(r, batch_id, now)
+    with refused_when_full(CANCEL_REFUSED):
+        written, fin = sweep(s, batch_id, [int(idx)], "cancelled", "cancelled", "the job was cancelled", now)
+        if written:
+            model = keys.queue_name(r.hget(keys.meta(batch_id), "model"))
+            publish_cancel(r, model, batch_id, idx, "cancelled")
+        if fin:
+            retire_batch(r, batch_id, now)
     return bool(written)
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -19,6 +18,7 @@ from sluice.jobs import keys
 from sluice.jobs.connection import connect
 from sluice.jobs.consumer.commands import mark_ready
 from sluice.jobs.embeddings import EMBEDDINGS_URL
+from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.pipes import NodePipes
 from sluice.jobs.schemas import (
@@ -36,16 +36,6 @@ from sluice.jobs.store import delete_batch, get_batch, retire_batch, served_queu
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
 FLUSH_EVERY = 30.0  # seconds a slow producer's lines wait at most: each flush also shows housekeeping we live
-
-
-class JobServerFull(redis.ResponseError):
-    """Redis refused a write for lack of memory (``maxmemory`` with ``noeviction``): nothing of the
-    batch was kept. The CLI exits with its job-server error code; the API answers 507."""
-
-
-def is_full(e: BaseException) -> bool:
-    return isinstance(e, redis.exceptions.OutOfMemoryError) or (
-        isinstance(e, redis.ResponseError) and "maxmemory" in str(e))
 
 
 def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | None = None,
@@ -69,7 +59,7 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
     sub.endpoint = endpoint
-    with _refused_when_full(sub):
+    with refused_when_full(NOTHING_QUEUED, sub.abandon):
         sub.create(completion_window, metadata, input_name, on_complete, dataset)
         refused = {e.line: e for e in line_errors}
         for line_no, text in enumerate(lines, 1):
@@ -83,18 +73,6 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
         sub.flush()
         sub.wait()
         return sub.finalize()
-
-
-@contextmanager
-def _refused_when_full(sub: _Submission) -> Iterator[None]:
-    """Redis at maxmemory: what was queued of the submission is taken back, and one clear error."""
-    try:
-        yield
-    except redis.ResponseError as e:
-        if not is_full(e):
-            raise
-        sub.abandon()
-        raise JobServerFull(f"the job server is full (Redis maxmemory reached); nothing was queued: {e}") from None
 
 
 class UnknownModel(ValueError):
@@ -309,7 +287,7 @@ def submit_job(r: redis.Redis, job: Job, queue: str, *, batch_id: str, priority:
         raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
     sub = _Submission(r, batch_id, queue, None, priority, CHUNK)
     sub.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
-    with _refused_when_full(sub):
+    with refused_when_full(NOTHING_QUEUED, sub.abandon):
         sub.create(completion_window, metadata, None)
         sub._enqueue(job.model_copy(update={"id": f"{sub.bid}:0", "batch_id": sub.bid, "idx": 0, "priority": priority,
                                             "created_at": sub.now}))

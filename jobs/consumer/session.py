@@ -254,10 +254,8 @@ class ConsumerSession:
             self._guard(self._append_deltas, texts)
 
     def _append_deltas(self, texts: list[tuple[Delivery, int, str]]) -> None:
-        pipe = self.link.r.pipeline(transaction=False)
-        for d, index, text in texts:
-            interactive.append_deltas(pipe, d.batch_id, self.id, d.deliveries, [(index, text)])
-        pipe.execute()
+        interactive.append_deltas(self.link.r, self.link.scripts, self.id,
+                                  [(d.batch_id, d.deliveries, index, text) for d, index, text in texts])
 
     def settle(self, d: Delivery, status: str, code: str, message: str) -> None:
         self.outbox.add(outcomes.settled(d, status, code, message, self.id, self.queue))
