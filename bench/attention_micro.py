@@ -15,7 +15,7 @@ either time), e.g. the current source against one from an older commit:
     python bench/attention_micro.py --sources /tmp/old.cpp,kernels/cpu/paged_attention.cpp
 
 Each source is built under its own op namespace. SmolLM2-135M's shapes by default: 9 query heads over
-3 KV heads of 64, blocks of 16 (``--block-size``), blocks handed out in random order.
+3 KV heads of 64, the engine's block size (``--block-size``), blocks handed out in random order.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide tr
 
 import torch  # noqa: E402
 from sluice.engine.attention import allocate_kv, head_major  # noqa: E402
+from sluice.engine.config import EngineConfig  # noqa: E402
 from sluice.kernels.cpu_ops import attention_isa, load_variant, paged_attention  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=160)
     ap.add_argument("--context", type=int, default=250)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     ap.add_argument("--query-len", type=int, default=1, help="query rows per sequence: > 1 times prompt chunks")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
