@@ -47,7 +47,7 @@ started_server=0
 worker_pid=
 submit_pid=
 
-server() { "$py" -c "import sys; from jobs import connection as s; $1"; }
+server() { "$py" -c "import sys; from sluice.jobs import connection as s; $1"; }
 
 stop_pid() { # stop_pid PID SECONDS: SIGTERM, then SIGKILL if it is still there after SECONDS
   local pid=$1 i

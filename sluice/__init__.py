@@ -17,16 +17,41 @@ Needs the ``datasets`` extra; ``generate`` also the ``worker`` extra (the engine
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
 from pathlib import Path as _Path
+from typing import TYPE_CHECKING, Any
 
-# In an install, sluice.engine, sluice.jobs, ... lie in this folder (pyproject.toml's package-dir mapping).
-# A source checkout that is not installed (the GPU machine's copy, a script run from the checkout with
-# another Python) has them beside it instead: look there too.
-_checkout = _Path(__file__).resolve().parent.parent
-if not (_Path(__file__).parent / "engine").exists() and (_checkout / "engine" / "__init__.py").exists():
+_here = _Path(__file__).resolve().parent
+_checkout = _here.parent
+if not (_here / "engine").exists() and (_checkout / "engine" / "__init__.py").exists():
+    # In an install, sluice.engine, sluice.jobs, ... lie in this folder (pyproject.toml's package-dir
+    # mapping). A source checkout has them beside it instead: an editable install maps them, and one that
+    # is not installed (the GPU machine's copy, a script run with another Python) finds them here.
     __path__.append(str(_checkout))
+    # A process started in the checkout has it first on sys.path, where engine/, kernels/, ... would import
+    # as top-level packages: transformers' `import kernels` (Hugging Face's package) would get ours. Last,
+    # it hides nothing and still serves `bench.*` to scripts.
+    _rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != str(_checkout)]
+    if len(_rest) < len(_sys.path):
+        _sys.path[:] = [*_rest, str(_checkout)]
 
-from sluice.batch import Batch, submit  # noqa: E402 - after the path above
-from sluice.generate import generate  # noqa: E402
+if TYPE_CHECKING:
+    from sluice.batch import Batch, submit
+    from sluice.generate import generate
 
 __all__ = ["Batch", "generate", "submit"]
+
+
+def __getattr__(name: str) -> Any:
+    """The Python API on first use: ``import sluice.cli`` (or any sluice.*) runs this file, and need not
+    import the dataset readers (the ``datasets`` extra) that the API needs."""
+    if name in ("Batch", "submit"):
+        from sluice import batch
+
+        return getattr(batch, name)
+    if name == "generate":
+        from sluice.generate import generate
+
+        return generate
+    raise AttributeError(f"module 'sluice' has no attribute {name!r}")

@@ -16,11 +16,12 @@ import tempfile
 # Triton kernels run under the interpreter on CPU; this must be set before any kernel is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `python -m pytest` puts the checkout on sys.path, where engine/, kernels/, ... would import as top-level
-# packages: transformers' `import kernels` (Hugging Face's package) would get ours. The suite imports
-# Sluice as installed, sluice.*, only.
+# `python -m pytest` puts the checkout first on sys.path, where engine/, kernels/, ... would import as
+# top-level packages: transformers' `import kernels` (Hugging Face's package) would get ours. The suite
+# imports Sluice as sluice.* only; the checkout goes last, where it still serves an uninstalled copy's
+# `import sluice` (the GPU machine's) and `bench.*`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT] + [_ROOT]
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
