@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -280,3 +281,30 @@ def test_a_result_the_server_drops_fails_alone_and_the_worker_serves_on(live: Li
     assert pending(r, b.id) == 0
     _assert_serving(live, rng)
     assert "Redis unreachable" not in live.log.read_text()
+
+
+def test_writes_held_on_a_batch_the_server_refuses_show_in_the_heartbeat(live: Live) -> None:
+    """A batch whose results stream is not a stream (WRONGTYPE for its result and for the small failed one
+    in its place): its outcomes are held, the heartbeat says since when and why, other requests are
+    answered meanwhile; once the key is mended the held outcomes are written, each job once."""
+    rng = random.Random(fresh_seed())
+    r = connect()
+    live.worker.send_signal(signal.SIGSTOP)  # the key is broken before the worker can take the jobs
+    try:
+        b = submit([_line(f"e{i}", _texts(rng, 2)) for i in range(3)], r=r, model=BERT)
+        r.set(keys.results(b.id), "not a stream")
+    finally:
+        live.worker.send_signal(signal.SIGCONT)
+    beat = wait_for(lambda: next((w for w in list_workers(r) if w["id"] == "wide" and "writes_held_since" in w), None),
+                    120, "the heartbeat to say results are held")
+    assert "WRONGTYPE" in beat["write_error"] and beat["unwritten"] >= 1
+    ok = live.post(_texts(rng, 2))  # the worker serves on
+    assert ok.status_code == 200, ok.text
+    assert r.hlen(keys.done(b.id)) == 0
+    r.delete(keys.results(b.id))
+    wait_for(lambda: final(r, b.id), 60, "the held outcomes to be written")
+    entries = assert_exactly_once(r, b.id, 3)
+    assert all(e["status"] == "failed" and e["error"]["code"] == "result_refused" for e in entries)
+    assert pending(r, b.id) == 0
+    wait_for(lambda: any(w["id"] == "wide" and "writes_held_since" not in w for w in list_workers(r)), 30,
+             "the heartbeat to say nothing is held")
