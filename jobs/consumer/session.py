@@ -122,7 +122,7 @@ class ConsumerSession:
     def _beat(self, wid: str) -> str:
         """The heartbeat's payload; it says when results wait because the server refuses their writes
         (while it is unreachable there is no heartbeat: it lapses, and our jobs may be taken)."""
-        held = {"unwritten": len(self.outbox)}
+        held: dict[str, Any] = {"unwritten": len(self.outbox)}
         if self._held is not None:
             held |= {"writes_held_since": self._held[0], "write_error": self._held[1]}
         return json.dumps({"id": wid, "host": socket.gethostname(), "pid": os.getpid(), "queue": self.queue,
