@@ -24,6 +24,8 @@ from itertools import islice
 from typing import Any, cast
 
 import redis
+from sluice.jobs import keys
+from sluice.jobs.connection import is_cluster
 from sluice.jobs.consumer.commands import Outcome, batch_exists, record
 from sluice.jobs.consumer.outcomes import refused
 from sluice.jobs.pipes import NodePipes
@@ -115,7 +117,7 @@ class Writer:
         if cut == len(chunk):
             return 0
         dropped = cast(Exception, replies[cut])
-        if not _answers(r):
+        if not _answers(r, chunk[cut].batch_id):
             raise dropped  # down: this outcome and the ones after it stay held
         if len(chunk) - cut > 1:
             return len(chunk) - cut
@@ -157,10 +159,12 @@ def _write(scripts: Scripts, r: redis.Redis, chunk: list[Outcome], now: float) -
     return pipes.execute()
 
 
-def _answers(r: redis.Redis) -> bool:
-    """Whether the server answers a PING (on a fresh connection: a dropped one is not reused)."""
+def _answers(r: redis.Redis, batch_id: str) -> bool:
+    """Whether the server of ``batch_id``'s keys answers a PING (on a fresh connection: a dropped one is
+    not reused); on a cluster, the node that holds them."""
     try:
-        return bool(r.ping())
+        node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
+        return bool(node.ping())
     except (*REDIS_DOWN, redis.RedisError):
         return False
 
