@@ -220,7 +220,7 @@ def _failure(result: Result) -> tuple[int, str, str]:
     err = result.error
     code = err.code if err else result.status
     message = err.message if err else f"the request {result.status}"
-    if result.status == "failed" and code == "invalid_request":
+    if result.status == "failed" and code in ("invalid_request", "result_too_large"):  # the request's own doing
         return 400, code, message
     return 500, code, message
 

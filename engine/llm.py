@@ -27,6 +27,7 @@ from sluice.engine.loader import (
     load_tokenizer,
     resolve_model,
 )
+from sluice.engine.lora.adapters import require_peft
 from sluice.engine.lora.manager import LoraManager
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.models.base import CausalLM
@@ -59,6 +60,8 @@ class LLM(Intake[_RequestState, Completion]):
         super().__init__()
         clock = StartupClock()
         self.config = EngineConfig(model=model, **config)
+        if self.config.lora_modules:
+            require_peft()  # before the model loads: one line now, not each adapter line failing later
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
         checkpoint_config = load_config(src)

@@ -20,6 +20,7 @@ from typing import Any
 EMBEDDINGS_URL = "/v1/embeddings"
 ENCODING_FORMATS = ("float", "base64")
 BODY_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+MAX_INPUTS = 2048  # inputs per request, OpenAI's limit: each is a vector in the one result the job writes
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
@@ -57,7 +58,8 @@ def parse_embedding_body(body: Any) -> EmbeddingBody:
 
 
 def check_input(inp: Any) -> EmbeddingInput:
-    """A string, a non-empty list of strings, of token ids, or of non-empty token id lists."""
+    """A string, a non-empty list of strings, of token ids, or of non-empty token id lists; at most
+    MAX_INPUTS strings or token id lists (a list of token ids is one input)."""
     shapes = "a string, a list of strings, a list of token ids, or a list of token id lists"
     if isinstance(inp, str):
         if not inp:
@@ -65,6 +67,8 @@ def check_input(inp: Any) -> EmbeddingInput:
         return inp
     if not isinstance(inp, list) or not inp:
         raise ValueError(f"input must be {shapes} (not empty)")
+    if len(inp) > MAX_INPUTS and not _is_token(inp[0]):
+        raise ValueError(f"input has {len(inp)} items; at most {MAX_INPUTS} per request (split it into several)")
     if all(isinstance(x, str) for x in inp):
         empty = [i for i, x in enumerate(inp) if not x]
         if empty:

@@ -9,13 +9,15 @@ A bad value fails with one line naming the variable (``SettingsError``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import platformdirs
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sluice.jobs.units import parse_size
 
 ENV_PREFIX = "SLUICE_"
+MIN_RESULT_BYTES = 16 << 10  # a failed result saying why its own was too large must fit
 URL_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
 S = TypeVar("S", bound=BaseSettings)
 
@@ -42,6 +44,10 @@ class JobPlaneSettings(BaseSettings):
     results_spill: int = 0
     """SLUICE_RESULTS_SPILL: move a batch's results from Redis to SLUICE_FILES_DIR once it holds more
     than this many there (0: never; every process that reads or writes results must see that directory)."""
+    max_result_bytes: int = 64 << 20
+    """SLUICE_MAX_RESULT_BYTES: the largest result (a size: bytes of its JSON) a worker writes for one job; a larger
+    one fails that job alone (``result_too_large``). Well under the 512 MB a Valkey/Redis value can hold
+    (proto-max-bulk-len), and what a reader of the batch then holds in memory."""
 
     @field_validator("home")
     @classmethod
@@ -60,6 +66,18 @@ class JobPlaneSettings(BaseSettings):
     def _not_negative(cls, v: int) -> int:
         if v < 0:
             raise ValueError("must be 0 (never) or more")
+        return v
+
+    @field_validator("max_result_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("max_result_bytes")
+    @classmethod
+    def _room_for_an_error(cls, v: int) -> int:
+        if v < MIN_RESULT_BYTES:
+            raise ValueError(f"must be at least {MIN_RESULT_BYTES} bytes")
         return v
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ import logging
 import sys
 from dataclasses import asdict
 
+from sluice.engine.lora.adapters import LoraError
 from sluice.engine.models.base import UnsupportedModelError
 from sluice.jobs.keys import parse_lora_module
 from sluice.jobs.units import parse_size
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = run_worker(a.model, **given)
     except UnsupportedModelError as e:  # its waiting jobs were failed with the reason
+        logging.getLogger("worker").error("exiting: %s", e)
+        sys.exit(1)
+    except LoraError as e:  # peft missing: no adapter line could run here; other workers may serve them
         logging.getLogger("worker").error("exiting: %s", e)
         sys.exit(1)
     except EngineSick as e:

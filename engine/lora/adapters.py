@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
 # peft prefixes saved keys with its wrapper's path; the rest is the base model's module name.
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
@@ -57,12 +58,12 @@ def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int
     """Load and check one adapter; a LoraError says why it cannot be served."""
     if not (Path(path) / CONFIG_FILE).is_file():
         raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
+    require_peft()
     from peft import LoraConfig
-    from peft.utils import load_peft_weights
 
     try:
         config = LoraConfig.from_pretrained(path)
-        state = load_peft_weights(path, device="cpu")
+        state = _read_weights(path)
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file (safetensors' own errors too) fails its lines only
         raise LoraError(f"LoRA adapter {name!r}: cannot read {path}: {_one_line(e)}") from None
     _check_config(name, config)
@@ -77,6 +78,29 @@ def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int
     if not modules:
         raise LoraError(f"LoRA adapter {name!r}: no LoRA weights in {path}")
     return LoraAdapter(name, str(path), max(w.a.shape[0] for w in modules.values()), modules)
+
+
+def require_peft() -> None:
+    """Raise LoraError, in one line, unless peft (which reads the adapters) can be imported."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        raise LoraError(f"LoRA adapters need peft, which cannot be imported here ({_one_line(e)}): "
+                        f"pip install 'sluice-llm[lora]'") from None
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, copied into memory: safetensors' own loader keeps them on a memory map of
+    the file, so rewriting a served adapter's file would change the weights in use, or kill the process
+    with SIGBUS when the file got shorter. A ``.bin`` (torch.load) is read into memory already."""
+    from safetensors.torch import load
+
+    weights = Path(path) / SAFETENSORS_FILE
+    if weights.is_file():
+        return load(weights.read_bytes())
+    from peft.utils import load_peft_weights
+
+    return load_peft_weights(path, device="cpu")
 
 
 def _check_config(name: str, config: Any) -> None:

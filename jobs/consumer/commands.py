@@ -65,6 +65,7 @@ class Outcome:
     stream: str = ""  # the job stream entry to acknowledge ("" for none)
     entry_id: str = ""
     dead_json: str = ""  # set for a dead-lettered job
+    stands_in: bool = False  # a failed outcome written in place of one the server refused: never replaced again
 
 
 @dataclass

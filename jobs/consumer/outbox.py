@@ -1,10 +1,17 @@
 """Writes each job's outcome: one atomic script per job (result + counters + results stream + XACK).
 
-Outcomes wait in an in-memory outbox until written, in completion order. A finished result is dropped
-only when the write proves moot (its batch is gone); any other failure, an unreachable server or an
-error reply (OOM under maxmemory, READONLY after a failover, NOSCRIPT after a flush), keeps it held
-and retried with backoff. A retried write is harmless: the script does nothing but the XACK for a
-job that already has its outcome.
+Outcomes wait in an in-memory outbox until written, in completion order. What a failed write means:
+
+- the server is unreachable (a round trip fails and so does a PING): everything stays held, retried
+  with backoff by the session (``REDIS_DOWN`` is raised);
+- the server refuses every write for now (full under maxmemory, READONLY after a failover, loading, ...:
+  ``SERVER_STATE``): those outcomes stay held and are retried with backoff (``WriteHeld``), the rest written;
+- the server refuses this write (any other error reply, or it drops the connection on this write alone
+  while it still answers PING, as it does past proto-max-bulk-len): the job gets a small failed outcome
+  (``result_refused``) in its place, so one result the server cannot take never blocks the others;
+- the batch is gone: the outcome is dropped.
+
+A retried write is harmless: the script does nothing but the XACK for a job that already has its outcome.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from itertools import islice
 from typing import Any, cast
 
 import redis
+from sluice.jobs import keys
+from sluice.jobs.connection import is_cluster
 from sluice.jobs.consumer.commands import Outcome, batch_exists, record
+from sluice.jobs.consumer.outcomes import refused
 from sluice.jobs.pipes import NodePipes
 from sluice.jobs.scripts import Scripts
 from sluice.jobs.store import retire_batch
@@ -28,9 +38,15 @@ log = logging.getLogger(__name__)
 # RedisClusterException: no node could be reached to learn the cluster's layout.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
               redis.exceptions.RedisClusterException)
+# Error replies that say the server refuses writes for now, whichever they are: hold and retry.
+SERVER_STATE = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.NoScriptError,
+                redis.exceptions.TryAgainError, redis.exceptions.MovedError, redis.exceptions.AskError,
+                redis.exceptions.MasterDownError, redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError)
+SERVER_STATE_CODES = frozenset({"OOM", "READONLY", "NOSCRIPT", "LOADING", "BUSY", "MISCONF", "NOREPLICAS",
+                                "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "NOPERM", "NOAUTH"})
 CHUNK = 256  # outcomes per pipeline round trip
 
-__all__ = ["CHUNK", "REDIS_DOWN", "Outcome", "WriteHeld", "Writer", "Written"]
+__all__ = ["CHUNK", "REDIS_DOWN", "SERVER_STATE", "Outcome", "Refused", "WriteHeld", "Writer", "Written"]
 
 
 @dataclass
@@ -41,6 +57,15 @@ class Written:
 
 class WriteHeld(Exception):
     """Some outcomes got an error reply and stay held, to be retried (the first error is the message)."""
+
+
+class Refused(Exception):
+    """The server dropped the connection on this one write while it answers PING."""
+
+
+def server_state(e: Exception) -> bool:
+    """Whether an error reply says the server refuses writes for now (not this write in particular)."""
+    return isinstance(e, SERVER_STATE) or str(e).split(" ", 1)[0] in SERVER_STATE_CODES
 
 
 class Writer:
@@ -67,15 +92,12 @@ class Writer:
         WriteHeld after writing what could be when some got error replies (those stay held, in order)."""
         written: list[Written] = []
         kept: list[tuple[Outcome, Exception]] = []
+        alone = 0  # outcomes at the head to write one per round trip, to find the one the server drops
         try:
             while self.outbox:
                 with self._lock:
-                    chunk = list(islice(self.outbox, CHUNK))
-                pipes = NodePipes(r)
-                for o in chunk:
-                    record(scripts, pipes, o, now)
-                replies = pipes.execute()
-                written.extend(self._settle(r, chunk, replies, now, kept))
+                    chunk = list(islice(self.outbox, 1 if alone else CHUNK))
+                alone = self._round(r, scripts, chunk, now, written, kept) or max(alone - len(chunk), 0)
         finally:
             if kept:
                 with self._lock:
@@ -85,25 +107,66 @@ class Writer:
             raise WriteHeld(f"{len(kept)} outcomes held, e.g. {o.batch_id}:{o.idx}: {type(e).__name__}: {e}")
         return written
 
+    def _round(self, r: redis.Redis, scripts: Scripts, chunk: list[Outcome], now: float, written: list[Written],
+               kept: list[tuple[Outcome, Exception]]) -> int:
+        """Write ``chunk`` in one round trip. Returns how many outcomes at the head to write one at a time
+        next: the server dropped the connection on one of them while it still answers."""
+        replies = _write(scripts, r, chunk, now)
+        cut = next((i for i, x in enumerate(replies) if isinstance(x, REDIS_DOWN)), len(chunk))
+        written.extend(self._settle(r, chunk[:cut], replies[:cut], now, kept))
+        if cut == len(chunk):
+            return 0
+        dropped = cast(Exception, replies[cut])
+        if not _answers(r, chunk[cut].batch_id):
+            raise dropped  # down: this outcome and the ones after it stay held
+        if len(chunk) - cut > 1:
+            return len(chunk) - cut
+        why = Refused(f"it dropped the connection on this write ({dropped}) while answering PING")
+        written.extend(self._settle(r, chunk[cut:], [why], now, kept))
+        return 0
+
     def _settle(self, r: redis.Redis, chunk: list[Outcome], replies: list[object], now: float,
                 kept: list[tuple[Outcome, Exception]]) -> list[Written]:
-        out = []
+        out, instead = [], []
         for o, reply in zip(chunk, replies, strict=True):
-            if isinstance(reply, REDIS_DOWN):
-                raise reply  # this outcome and the ones after it stay held
             with self._lock:
                 self.outbox.popleft()
             if isinstance(reply, Exception):
-                if batch_exists(r, o.batch_id):
-                    kept.append((o, reply))
-                else:  # the batch was deleted meanwhile: nothing left to write it to
+                if not batch_exists(r, o.batch_id):  # deleted meanwhile: nothing left to write it to
                     log.warning("dropping the outcome of %s:%s, its batch is gone: %s", o.batch_id, o.idx, reply)
+                elif server_state(reply) or o.stands_in:
+                    kept.append((o, reply))
+                else:
+                    log.error("the job server refused the outcome of %s:%s (%d bytes); failing the job: %s",
+                              o.batch_id, o.idx, len(o.result_json), reply)
+                    instead.append(refused(o, f"{type(reply).__name__}: {reply}"))
                 continue
             fresh, final = cast(list[Any], reply)
             out.append(Written(o, bool(fresh)))
             if final:
                 _retire(r, o.batch_id, now)
+        if instead:  # written next, in this flush
+            with self._lock:
+                self.outbox.extendleft(reversed(instead))
         return out
+
+
+def _write(scripts: Scripts, r: redis.Redis, chunk: list[Outcome], now: float) -> list[object]:
+    """One round trip (per node) writing ``chunk``; a reply per outcome, an error as its exception."""
+    pipes = NodePipes(r)
+    for o in chunk:
+        record(scripts, pipes, o, now)
+    return pipes.execute()
+
+
+def _answers(r: redis.Redis, batch_id: str) -> bool:
+    """Whether the server of ``batch_id``'s keys answers a PING (on a fresh connection: a dropped one is
+    not reused); on a cluster, the node that holds them."""
+    try:
+        node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
+        return bool(node.ping())
+    except (*REDIS_DOWN, redis.RedisError):
+        return False
 
 
 def _retire(r: redis.Redis, batch_id: str, now: float) -> None:

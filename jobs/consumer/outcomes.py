@@ -22,6 +22,26 @@ def bare_result(job: Job, status: str, code: str, message: str, worker: str | No
                   worker=worker, timings=ResultTimings(submitted=job.created_at or None, finished=time.time()))
 
 
+def failed_instead(result: Result, code: str, message: str) -> Result:
+    """A failed result in place of ``result``, which cannot be written: the same job, worker, usage and
+    timings, nothing of what it produced."""
+    return Result(job_id=result.job_id, custom_id=result.custom_id, batch_id=result.batch_id, idx=result.idx,
+                  kind=result.kind, model=result.model, status="failed", error=ErrorInfo(code=code, message=message),
+                  worker=result.worker, usage=result.usage, timings=result.timings)
+
+
+def refused(o: Outcome, why: str) -> Outcome:
+    """A failed outcome (``result_refused``) in place of ``o``, whose write the job server refused."""
+    message = f"the job server refused to store this job's result: {why}"
+    try:
+        res = failed_instead(Result.model_validate_json(o.result_json), "result_refused", message)
+    except ValueError:  # not a Result (it never is not): the job's coordinates are enough
+        res = Result(job_id=f"{o.batch_id}:{o.idx}", custom_id="", batch_id=o.batch_id, idx=o.idx, status="failed",
+                     error=ErrorInfo(code="result_refused", message=message), timings=ResultTimings(finished=time.time()))
+    return Outcome(o.batch_id, o.idx, "failed", res.model_dump_json(exclude_none=True), o.stream, o.entry_id,
+                   stands_in=True)
+
+
 def settled(d: Delivery, status: str, code: str, message: str, worker: str, model: str) -> Outcome:
     res = bare_result(d.job, status, code, message, worker, model)
     return Outcome(d.batch_id, d.job.idx, status, res.model_dump_json(exclude_none=True), d.stream, d.entry_id)

@@ -40,9 +40,11 @@ from sluice.jobs.consumer.heartbeat import Heartbeat
 from sluice.jobs.consumer.identity import take_identity
 from sluice.jobs.consumer.link import Link
 from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
+from sluice.jobs.consumer.outcomes import failed_instead
 from sluice.jobs.consumer.upkeep import Upkeep
 from sluice.jobs.housekeeping import RESULTS_TTL
 from sluice.jobs.schemas import Result
+from sluice.jobs.settings import job_plane
 from sluice.jobs.store import served_queues
 
 log = logging.getLogger(__name__)
@@ -94,10 +96,12 @@ class ConsumerSession:
         self.s = settings
         self.status = status
         self.draining = False  # no housekeeping while draining: it could outlast us
+        self.max_result_bytes = job_plane().max_result_bytes
+        self.outbox = Writer()
+        self._held: tuple[float, str] | None = None  # since when outcomes are held on error replies, the first
         self.link = Link(redis_url)
         self.id = (take_identity(self.link.r, worker_id, explicit_id, self._beat, settings.heartbeat_ttl)
                    if register else worker_id)
-        self.outbox = Writer()
         self.stats = SessionStats()
         self.upkeep = Upkeep(self.link, queue, self.id, self._guard, lambda: self.draining,
                              settings.housekeeping_interval, settings.results_ttl)
@@ -116,8 +120,13 @@ class ConsumerSession:
         self._started = False
 
     def _beat(self, wid: str) -> str:
+        """The heartbeat's payload; it says when results wait because the server refuses their writes
+        (while it is unreachable there is no heartbeat: it lapses, and our jobs may be taken)."""
+        held: dict[str, Any] = {"unwritten": len(self.outbox)}
+        if self._held is not None:
+            held |= {"writes_held_since": self._held[0], "write_error": self._held[1]}
         return json.dumps({"id": wid, "host": socket.gethostname(), "pid": os.getpid(), "queue": self.queue,
-                           "time": time.time(), **self.status()})
+                           "time": time.time(), **self.status(), **held})
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -243,9 +252,17 @@ class ConsumerSession:
         return self.queue in served_queues(self.link.r)
 
     def put(self, d: Delivery, result: Result) -> None:
-        """A job's result, to be written (and its stream entry acknowledged) by the writer thread."""
-        self.outbox.add(Outcome(d.batch_id, d.job.idx, result.status, result.model_dump_json(exclude_none=True),
-                                d.stream, d.entry_id))
+        """A job's result, to be written (and its stream entry acknowledged) by the writer thread; one
+        larger than SLUICE_MAX_RESULT_BYTES fails the job instead (``result_too_large``)."""
+        body = result.model_dump_json(exclude_none=True)
+        size = len(body) if body.isascii() else len(body.encode())
+        if size > self.max_result_bytes:
+            log.error("job %s: its result is %d bytes, over SLUICE_MAX_RESULT_BYTES (%d): failing it",
+                      d.job.id, size, self.max_result_bytes)
+            result = failed_instead(result, "result_too_large", f"the result is {_size(size)}; a job's result "
+                                    f"may be at most {_size(self.max_result_bytes)} (SLUICE_MAX_RESULT_BYTES)")
+            body = result.model_dump_json(exclude_none=True)
+        self.outbox.add(Outcome(d.batch_id, d.job.idx, result.status, body, d.stream, d.entry_id))
 
     def stream(self, texts: list[tuple[Delivery, int, str]]) -> None:
         """New text of streaming jobs, (delivery, sample index, text) each, appended now in one round trip
@@ -346,10 +363,11 @@ class ConsumerSession:
             self._wake.clear()
             stopping = self._stop.is_set()
             try:
-                if len(self.outbox):
-                    self._guard(self._flush)
+                if len(self.outbox) and self._guard(self._flush):
+                    self._held, self._held_backoff = None, 0.0
             except WriteHeld as e:
-                # Redis answered but refused (full, read-only, ...): keep the results and retry.
+                # Redis answered but refuses writes for now (full, read-only, ...): keep the results and retry.
+                self._held = self._held or (time.time(), str(e)[:500])
                 self._held_backoff = min(max(2 * self._held_backoff, 0.1), HELD_BACKOFF_MAX)
                 self.stats.write_errors += 1
                 log.error("results held, retrying in %.1fs: %s", self._held_backoff, e)
@@ -360,9 +378,14 @@ class ConsumerSession:
             if stopping:
                 return
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
         written = self.outbox.flush(self.link.r, self.link.scripts, time.time())
         for w in written:
             if w.fresh:
                 setattr(self.stats, w.outcome.status, getattr(self.stats, w.outcome.status) + 1)
         self.upkeep.wrote({w.outcome.batch_id for w in written if w.fresh})
+        return True
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
