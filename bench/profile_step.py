@@ -60,7 +60,7 @@ def categorize(events: list) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         name = e.name
-        if name == "sluice::paged_attention":
+        if name in ("sluice::paged_attention", "sluice::paged_attention_gemm"):
             totals["attention (C++ op)"] += e.cpu_time_total
         elif name == "sluice::store_kv":
             totals["KV write"] += e.cpu_time_total
