@@ -69,3 +69,44 @@ def test_no_peft_fails_each_adapter_once_with_one_line(base_and_adapters: tuple[
         with pytest.raises(LoraError, match=r"^LoRA adapters need peft, .*pip install 'sluice-llm\[lora\]'$"):
             cache.check("a")
     assert cache.num_loads == 0 and "a" in cache.errors
+
+
+_REWRITE = """
+import json, sys
+from pathlib import Path
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
+
+base, served, other = sys.argv[1:4]
+llm = LLM(base, dtype="float32", kv_cache_memory=16 << 20, lora_modules={"a": served, "b": other})
+def run(*names):
+    reqs = [Request(n, prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(max_tokens=8, ignore_eos=True), lora=n)
+            for n in names]
+    return llm.generate(reqs)[0].outputs[0].token_ids
+first = run("a")
+# The served adapter's file rewritten in place: another adapter's bytes, then cut short. The next step
+# that takes a with b stacks their weights afresh, from what a holds.
+f = Path(served) / "adapter_model.safetensors"
+data = (Path(other) / "adapter_model.safetensors").read_bytes()
+with open(f, "r+b") as out:
+    out.write(data)
+    out.truncate(len(data) // 3)
+print(json.dumps({"first": first, "again": run("a", "b")}))
+"""
+
+
+def test_rewriting_a_served_adapters_file_changes_nothing(base_and_adapters: tuple[Path, Path], tmp_path: Path) -> None:
+    """An adapter in use is held in memory, not on a map of its file: rewriting the file (another adapter's
+    bytes, cut short) neither kills the process (SIGBUS) nor changes the weights it serves."""
+    import shutil
+
+    base, one = base_and_adapters
+    served = tmp_path / "served"
+    shutil.copytree(one, served)
+    other = make_adapter(base, tmp_path / "other", seed=7, r=8, targets=["q_proj", "v_proj", "down_proj"], std=0.5)
+    p = subprocess.run([sys.executable, "-c", _REWRITE, str(base), str(served), str(other)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}: {p.stderr[-3000:]}"
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["again"] == out["first"] and len(out["first"]) == 8
