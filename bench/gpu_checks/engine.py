@@ -177,7 +177,8 @@ def check_engine_runs(plan: Plan, model_dir: str, rng: random.Random) -> None:
     hf = AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).to(dev).eval()
     n_new, vocab = plan.small_new_tokens, SMALL["vocab_size"]
     prompts = [[rng.randrange(20, vocab) for _ in range(rng.randint(1, plan.small_max_prompt))] for _ in range(8)]
-    kw = dict(dtype="float32", attention_backend="triton", max_num_seqs=16)
+    # Blocks of 16: the preemption and prefix-caching checks below count in them.
+    kw = dict(dtype="float32", attention_backend="triton", max_num_seqs=16, block_size=16)
 
     def run(llm: Any, ps: list[list[int]], params: Any = None) -> list[list[int]]:
         params = params or SamplingParams(max_tokens=n_new, ignore_eos=True)

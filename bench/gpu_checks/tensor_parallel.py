@@ -31,7 +31,8 @@ def tensor_parallel_section(plan: Plan, prep: Prepared, rng: random.Random, rows
     for tp in (1, 2):
         # The dry run takes PyTorch attention: the interpreted kernels are checked elsewhere, this is about the ranks.
         llm = LLM(str(small), dtype="float32", attention_backend="triton" if plan.device == "cuda" else "torch",
-                  tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=per_block * 6 // tp)
+                  tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=per_block * 6 // tp,
+                  block_size=16)  # per_block counts 16-token blocks
         try:
             t0 = time.monotonic()
             reqs = [Request(f"t{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=plan.small_new_tokens + 12,
