@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import secrets
 import signal
@@ -29,6 +30,8 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 from sluice.jobs import aof
 from sluice.jobs.settings import job_plane
+
+log = logging.getLogger(__name__)
 
 ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"
@@ -134,10 +137,43 @@ def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT,
         found = find_server(home)  # another process may have started it while we waited
         if found is not None:
             return found
+        silent = _read_info(home)
+        if silent is not None and _runs_here(silent, home):
+            return _wait_for(silent, home, timeout)
         server = _start(home, timeout)
     if on_start is not None:
         on_start(server)
     return server
+
+
+def _runs_here(server: EmbeddedServer, home: Path | None) -> bool:
+    """Whether the recorded server's process still runs as this directory's valkey-server (a pid may have
+    been reused by another program since)."""
+    if not pid_alive(server.pid):
+        return False
+    proc = Path(f"/proc/{server.pid}")
+    try:
+        # The server retitles itself ("valkey-server 127.0.0.1:PORT"); it runs in its data directory.
+        title, cwd = (proc / "cmdline").read_bytes(), (proc / "cwd").resolve(strict=True)
+    except OSError:
+        return True  # no /proc to read: a live pid is taken at its word
+    return b"valkey-server" in title and cwd == data_dir(home)
+
+
+def _wait_for(server: EmbeddedServer, home: Path | None, timeout: float) -> EmbeddedServer:
+    """The recorded server runs but does not answer (stopped, swapping, replaying its AOF): wait for it.
+    Never a second server on the same data: clients would split between the two (issue 40)."""
+    log.warning("the job server of %s (pid %d) runs but does not answer; waiting for it, not starting another",
+                data_dir(home), server.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _alive(server):
+            return server
+        if not _runs_here(server, home):
+            return _start(home, timeout)  # it died meanwhile: the lock is still ours
+        time.sleep(0.2)
+    raise redis.ConnectionError(f"the job server of {data_dir(home)} (pid {server.pid}) runs but has not answered "
+                                f"for {timeout:.0f}s")
 
 
 @contextmanager
