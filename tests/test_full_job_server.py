@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,39 @@ def test_a_full_job_server_is_507_on_every_route_that_writes(r: redis.Redis, api
     assert r.zcard(keys.interactive("tiny")) == 0
     # Room again: the same routes write (the cancel of the batch goes through now).
     assert api.post(f"/v1/batches/{batch.json()['id']}/cancel").json()["status"] in ("cancelling", "cancelled")
+
+
+def test_a_full_job_server_keeps_a_live_workers_heartbeat(r: redis.Redis, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """While the server refuses writes (it is full), a working worker's heartbeat outlives its TTL (2 s), so
+    no other worker may take its jobs; it says so once, not a traceback per beat; once memory frees, its
+    results are written and each job has one outcome. (The heartbeat's SET was refused: the key expired.)"""
+    from jobs_helpers import assert_exactly_once, held_by, prompt_lines, wait_for, worker_process
+    from reliability_helpers import final
+    from sluice.jobs.submit import submit
+
+    rng = random.Random(fresh_seed())
+    b = submit(prompt_lines(8, rng, max_tokens=300), r=r, model="tiny")
+    log = tmp_path / "worker.log"
+    p = worker_process(tiny_model_dir, "w1", "--exit-when-idle", "1", log=log, paced=True)
+    beat = keys.heartbeat("w1")
+    try:
+        wait_for(lambda: held_by(r, b.id, "w1") > 0 or p.poll() is not None, 300, "the worker to hold jobs")
+        assert p.poll() is None, log.read_text()[-3000:]
+        r.config_set("maxmemory", 1)
+        try:
+            for _ in range(40):  # 8 s: four heartbeat TTLs
+                assert r.pttl(beat) > 0, "the heartbeat lapsed while the server was full\n" + log.read_text()[-3000:]
+                assert p.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+        finally:
+            r.config_set("maxmemory", 0)
+        wait_for(lambda: final(r, b.id), 300, "the batch to finish")
+        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        p.kill()
+        p.wait()
+    assert_exactly_once(r, b.id, 8)
+    text = log.read_text()
+    assert text.count("the job server is full: the heartbeat is kept alive") == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from pydantic import ValidationError
 from sluice.jobs import keys
 from sluice.jobs import scripts as script
+from sluice.jobs.full import is_full
 from sluice.jobs.pipes import NodePipes
 from sluice.jobs.schemas import Job
 from sluice.jobs.scripts import Scripts
@@ -306,12 +307,30 @@ def identity_holder(r: redis.Redis, worker_id: str) -> dict[str, Any] | None:
     return json.loads(r.get(keys.heartbeat(worker_id)) or "null")
 
 
-def beat(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> bool:
-    """Renew the heartbeat; False when it had lapsed (other workers may have claimed our jobs)."""
-    if r.set(keys.heartbeat(worker_id), payload, xx=True, px=ttl_ms):
-        return True
-    r.set(keys.heartbeat(worker_id), payload, px=ttl_ms)
-    return False
+Beat = Literal["renewed", "kept", "lapsed"]
+
+
+def beat(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> Beat:
+    """Renew the heartbeat: "renewed"; "lapsed" when it had lapsed (other workers may have claimed our
+    jobs; it is set again if the server has room). On a full server, which refuses the SET, "kept": the
+    TTL alone is renewed (PEXPIRE needs no memory), so a live worker keeps its jobs while the payload
+    goes stale."""
+    key = keys.heartbeat(worker_id)
+    try:
+        if r.set(key, payload, xx=True, px=ttl_ms):
+            return "renewed"
+    except redis.ResponseError as e:
+        if not is_full(e):
+            raise
+        if r.pexpire(key, ttl_ms):
+            return "kept"
+        return "lapsed"
+    try:
+        r.set(key, payload, px=ttl_ms)
+    except redis.ResponseError as e:
+        if not is_full(e):
+            raise
+    return "lapsed"
 
 
 def take_over(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) -> None:

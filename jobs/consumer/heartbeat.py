@@ -30,15 +30,24 @@ class Heartbeat(Background):
         self.lapsed = threading.Event()  # set when we found our heartbeat gone: our jobs may be taken
         self.last_tick = time.monotonic()
         self._stalled = False
+        self._full = False  # the server refuses the heartbeat's SET for lack of memory
 
     def tick(self) -> None:
         """The step loop is alive."""
         self.last_tick = time.monotonic()
 
     def beat_now(self) -> None:
-        if not consumer.beat(self.link.r, self.worker_id, self.payload(), self.ttl_ms):
+        result = consumer.beat(self.link.r, self.worker_id, self.payload(), self.ttl_ms)
+        if result == "lapsed":
             log.warning("worker %s: our heartbeat had lapsed; other workers may have taken our jobs", self.worker_id)
             self.lapsed.set()
+        full = result == "kept"
+        if full != self._full:  # said once per episode, not once per beat
+            self._full = full
+            if full:
+                log.warning("the job server is full: the heartbeat is kept alive without its status")
+            else:
+                log.info("the job server takes the heartbeat's status again")
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
