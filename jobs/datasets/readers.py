@@ -8,6 +8,7 @@ CSV blocks, JSONL lines and the memory-mapped Arrow files of a saved dataset are
 from __future__ import annotations
 
 import base64
+import csv
 import io
 import json
 import os
@@ -36,6 +37,7 @@ DEFAULT_ROWS = 4096  # rows per batch (and per output row group)
 # a line longer than this is a piece of its own length.
 CSV_BLOCK = 4 << 20
 PARQUET_BUFFER = 1 << 20  # bytes read at a time from a Parquet column chunk
+_BAD = "\0sluice:bad"  # a CSV batch's last column: why its row cannot be read (null: it can)
 
 
 class SourceError(ValueError):
@@ -46,7 +48,8 @@ class SourceError(ValueError):
 class Block:
     """Consecutive rows of a source. Arrow sources fill ``batch``; JSONL fills ``dicts``, with None for a
     line that is not a JSON object. ``bad`` says why a row cannot be read (by offset in the block: a JSONL
-    line that is not an object, a CSV row with a cell that is not UTF-8, that cell null in ``batch``);
+    line that is not an object, a CSV row with a cell that is not UTF-8, that cell null in ``batch``, or
+    with more or fewer fields than the header, every cell null);
     ``rows()`` gives None for it, so the others' row numbers stay right, and ``cells()`` what it holds."""
 
     start: int  # the row number (from 0) of the first row
@@ -352,28 +355,70 @@ def _csv_batches(fh: Any, names: list[str]) -> Iterator[pa.RecordBatch]:
         # The first piece starts with the header; the others are rows under the same names.
         opts = pa_csv.ReadOptions(column_names=None if n == 0 else names, use_threads=False,
                                   block_size=len(piece) + 1)  # the piece in one block: no straddling
-        yield from pa_csv.read_csv(pa.BufferReader(piece), read_options=opts, convert_options=convert).to_batches()
+        try:
+            table = pa_csv.read_csv(pa.BufferReader(piece), read_options=opts, convert_options=convert)
+        except pa.ArrowInvalid:  # a row with too few or too many fields fails the piece: parse it row by row
+            yield _csv_rows_one_by_one(piece, names, header=n == 0)
+            continue
+        for batch in table.to_batches():
+            yield batch.append_column(_BAD, pa.nulls(batch.num_rows, pa.string()))
+
+
+def _csv_rows_one_by_one(piece: bytes, names: list[str], header: bool) -> pa.RecordBatch:
+    """A piece pyarrow refused, read with Python's csv module (the rare path): a row whose field count is
+    not the header's is bad (its cells null, the reason in the ``_BAD`` column), the others read as
+    pyarrow reads them (an empty field null; here a quoted "" is null too)."""
+    csv.field_size_limit(max(csv.field_size_limit(), len(piece) + 1))  # a cell may be as long as the piece
+    text = piece.decode("utf-8", "surrogateescape")  # undecodable bytes kept: ``_decoded`` names them by row
+    records = [rec for rec in csv.reader(io.StringIO(text, newline="")) if rec]  # a blank line is no row
+    cells: list[list[bytes | None]] = []
+    bad: list[str | None] = []
+    for rec in records[1:] if header else records:
+        ok = len(rec) == len(names)
+        cells.append([c.encode("utf-8", "surrogateescape") or None for c in rec] if ok else [None] * len(names))
+        bad.append(None if ok else f"{len(rec)} fields where the header has {len(names)}")
+    columns = [pa.array([row[i] for row in cells], pa.binary()) for i in range(len(names))]
+    return pa.RecordBatch.from_arrays([*columns, pa.array(bad, pa.string())], names=[*names, _BAD])
 
 
 def _csv_pieces(fh: Any, size: int) -> Iterator[bytes]:
-    """The file in pieces of about ``size`` bytes, each ending at a line's end."""
-    held: list[bytes] = []  # a line's start, while its end is not read yet
+    """The file in pieces of about ``size`` bytes, each ending at a row's end: a newline outside quotes
+    (a quoted cell may hold newlines)."""
+    held: list[bytes] = []  # a row's start, while its end is not read yet
+    quotes = 0  # quote characters in ``held``
     while data := fh.read(size):
-        cut = data.rfind(b"\n") + 1
+        cut = _row_end(data, quotes)
         if not cut:
             held.append(data)
+            quotes += data.count(b'"')
             continue
         yield b"".join([*held, data[:cut]])
         held = [data[cut:]] if cut < len(data) else []
+        quotes = data.count(b'"', cut)
     if any(held):
         yield b"".join([*held, b"\n"])  # a last line without its newline (a header alone: no rows)
+
+
+def _row_end(data: bytes, quotes_before: int) -> int:
+    """Just past the last newline of ``data`` outside quotes (0: none), ``quotes_before`` quote characters
+    having come before it: a newline is outside quotes where an even number came before it (a doubled ""
+    inside a quoted cell counts two)."""
+    odd = (quotes_before + data.count(b'"')) % 2  # at the end of ``data``
+    end = len(data)
+    while (nl := data.rfind(b"\n", 0, end)) >= 0:
+        odd ^= data.count(b'"', nl, end) % 2  # now: before ``nl``
+        if not odd:
+            return nl + 1
+        end = nl
+    return 0
 
 
 def _decoded(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, dict[int, str]]:
     """A CSV batch's byte columns as text; a row with a cell that is not UTF-8 is bad (by offset, naming
     the column and byte), so it fails alone; that cell is null, the row's others kept for the output."""
+    bad = {i: why for i, why in enumerate(batch.column(_BAD).to_pylist()) if why is not None}
+    batch = batch.drop_columns([_BAD])
     columns: list[pa.Array] = []
-    bad: dict[int, str] = {}
     for name, col in zip(batch.schema.names, batch.columns, strict=True):
         try:
             columns.append(col.cast(pa.string()))
