@@ -117,6 +117,9 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.n * self.max_tokens > MAX_TOKENS:  # the tokens one request may generate in all (n choices)
+            raise ValueError(f"n x max_tokens is {self.n * self.max_tokens:,}; at most {MAX_TOKENS:,} tokens "
+                             "per request in all")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 (score the prompt only) needs echo with logprobs, or prompt_logprobs")
         given = [k for k in GUIDED_FIELDS if getattr(self, k) not in (None, False)]

@@ -75,6 +75,7 @@ def test_simple_lines() -> None:
     ('{"prompt": "x", "temprature": 1}', "invalid_request", "temprature"),
     ('{"prompt": "x", "max_tokens": 0}', "invalid_request", "max_tokens"),
     ('{"prompt": "x", "max_tokens": 2, "min_tokens": 3}', "invalid_request", "min_tokens"),
+    ('{"prompt": "x", "max_tokens": 1048576, "n": 2}', "invalid_request", "n x max_tokens is 2,097,152"),
     ('{"prompt": "x", "top_p": 0}', "invalid_request", "top_p"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "invalid_request", "role"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "text parts"),
