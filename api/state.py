@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sluice.api.errors import ApiError
 from sluice.api.filestore import FileStore
 from sluice.api.settings import Settings
-from sluice.jobs.connection import connect
+from sluice.jobs.connection import connect, external_url, recorded_url, redis_url
 
 
 class AppState:
@@ -20,15 +20,28 @@ class AppState:
         self.settings = settings
         self.files = FileStore(settings.files_dir)
         self._redis: redis.Redis | None = None
+        self._url: str | None = None
         self._lock = threading.Lock()
 
     def redis(self) -> redis.Redis:
         # Lazily: connecting may start the embedded server, which should not happen on import or in tests
         # that never touch the job plane.
         with self._lock:
+            if self._redis is not None and self._moved():
+                self._redis.close()
+                self._redis = None
             if self._redis is None:
-                self._redis = connect(self.settings.redis_url)
+                self._url = self.settings.redis_url or redis_url()
+                self._redis = connect(self._url)
             return self._redis
+
+    def _moved(self) -> bool:
+        """The embedded server was restarted on another port (by a worker, or ``sluice server``): follow
+        it, as the workers do, so the API never stays on a server nobody writes to."""
+        if self.settings.redis_url or external_url():
+            return False
+        recorded = recorded_url()
+        return recorded is not None and recorded != self._url
 
     def close(self) -> None:
         with self._lock:

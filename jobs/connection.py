@@ -120,6 +120,13 @@ def _alive(server: EmbeddedServer) -> bool:
         client.close()
 
 
+def recorded_url(home: Path | None = None) -> str | None:
+    """The URL the embedded server of ``home`` last recorded (it may be down), or None: what a client
+    that keeps a connection compares with its own, to follow a server restarted on another port."""
+    info = _read_info(home)
+    return info.url if info is not None else None
+
+
 def find_server(home: Path | None = None) -> EmbeddedServer | None:
     """The running embedded server of ``home``, or None."""
     info = _read_info(home)

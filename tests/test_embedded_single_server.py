@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,3 +89,42 @@ def test_a_dead_server_is_started_again_once(home: Path) -> None:
     assert len(got) == 1, outs  # all three found the one server that one of them started
     pid, port = map(int, got.pop())
     assert pid != first.pid and port == first.port and servers_of(home) == [pid]
+
+
+def test_the_api_follows_a_server_restarted_on_another_port(home: Path, tmp_path: Path) -> None:
+    """The embedded server dies and its port is taken, so whoever restarts it (here this test, as a worker
+    would) gets another port: a running ``sluice serve`` follows it, as the workers do (it kept the old
+    URL: 503 for good, while the workers wrote to the new server)."""
+    import httpx
+    import redis
+    from cli_api_helpers import start_sluice, stop, wait_for_url
+    from sluice.jobs.connection import connect
+    from sluice.jobs.store import get_batch
+
+    first = ensure_server(home)
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "SLUICE_HOME": str(home), "SLUICE_FILES_DIR": str(tmp_path / "files")}
+    env.pop("SLUICE_REDIS_URL", None)
+    api = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log, env=env)
+    try:
+        url = wait_for_url(api, log, timeout=60)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert http.get("/v1/batches").status_code == 200, log.read_text()[-3000:]
+            os.kill(first.pid, signal.SIGKILL)
+            while first.pid in servers_of(home):
+                time.sleep(0.05)
+            with socket.socket() as squatter:  # the old port is someone else's now
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                squatter.bind(("127.0.0.1", first.port))
+                squatter.listen()
+                second = ensure_server(home)
+                assert second.port != first.port
+                job = http.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2})
+            assert job.status_code == 200, (job.text, log.read_text()[-3000:])
+            r: redis.Redis = connect(second.url)
+            try:
+                assert get_batch(r, job.json()["id"]) is not None  # queued on the server the workers use
+            finally:
+                r.close()
+    finally:
+        assert stop(api) == 0, log.read_text()[-3000:]
