@@ -192,7 +192,7 @@ def summary_text(s: WriteSummary, seconds: float, output: str) -> str:
 
 
 def generate_dataset(input_url: str, output: str, rows: RowFlags, *, resume: bool, progress: bool,
-                     make_engine: Callable[[], Any], defaults: Any) -> WriteSummary:
+                     make_engine: Callable[[], Any], defaults: Any, plan: bool = True) -> WriteSummary:
     """`sluice generate` on a dataset: rows through the engine in this process, joined to OUTPUT."""
     t0 = time.time()
     with dataset_errors():
@@ -205,7 +205,7 @@ def generate_dataset(input_url: str, output: str, rows: RowFlags, *, resume: boo
         if resume:
             click.echo(f"resuming: {writer.journal.count()} rows already have a result", err=True)
         s = run_writer(writer, lambda: generate_rows(source, spec, writer, make_engine, defaults=defaults,
-                                                     resume=resume, progress=progress),
+                                                     resume=resume, progress=progress, plan=plan),
                        f"interrupted: the rows written so far are kept; --resume goes on from them -> {output}")
     click.echo(summary_text(s, time.time() - t0, output), err=True)
     return s

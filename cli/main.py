@@ -36,7 +36,13 @@ from sluice.cli.datasets import (
     with_row_options,
 )
 from sluice.cli.job_server_cmds import server_cmd
-from sluice.cli.options import engine_kwargs, sampling_defaults, with_engine_options, with_sampling_options
+from sluice.cli.options import (
+    arrival_order_option,
+    engine_kwargs,
+    sampling_defaults,
+    with_engine_options,
+    with_sampling_options,
+)
 from sluice.cli.output import STDIO, default_errors_path
 from sluice.cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
 from sluice.cli.run_cmds import serve_cmd, up_cmd, worker_cmd
@@ -73,12 +79,13 @@ def cli(verbose: bool) -> None:
 @with_row_options()
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids (dataset: rows) already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@arrival_order_option
 def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None, policy: str,
              enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
              memory_budget: int | None, tensor_parallel_size: int, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
-             rows: RowFlags, resume: bool, no_progress: bool) -> None:
+             rows: RowFlags, resume: bool, no_progress: bool, arrival_order: bool) -> None:
     """Run INPUT_FILE through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
     INPUT_FILE is JSONL (- reads stdin): OpenAI batch lines ({"custom_id", "method", "url", "body"}) or
@@ -92,7 +99,8 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget, tensor_parallel_size)
     if wants_dataset(rows, input_file, output_file):
-        _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress)
+        _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress,
+                          not arrival_order)
         return
     need_engine(model)
     from sluice.worker.generate_file import generate_file
@@ -107,7 +115,7 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     try:
         with readable_input(Path(input_file)) as src:
             s = generate_file(src, target, errors, model=model, engine_kwargs=kwargs, defaults=defaults,
-                              resume=resume, progress=not no_progress)
+                              resume=resume, progress=not no_progress, plan=not arrival_order)
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None
     dt = time.time() - t0
@@ -119,7 +127,8 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
 
 
 def _generate_dataset(input_file: str, output: str, errors_file: Path | None, model: str | None,
-                      kwargs: dict[str, Any], defaults: Any, rows: RowFlags, resume: bool, no_progress: bool) -> None:
+                      kwargs: dict[str, Any], defaults: Any, rows: RowFlags, resume: bool, no_progress: bool,
+                      plan: bool) -> None:
     if STDIO in (input_file, output):
         raise UsageLine("a dataset is read from and written to a file or URL, not stdin or stdout (-)")
     if errors_file is not None:
@@ -139,7 +148,7 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
             raise UserError(one_line(e)) from None
 
     s = generate_dataset(input_file, output, rows, resume=resume, progress=not no_progress, make_engine=make_engine,
-                         defaults=defaults)
+                         defaults=defaults, plan=plan)
     if s.failed or s.no_result:
         sys.exit(EXIT_SOME_FAILED)
 

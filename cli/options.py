@@ -86,6 +86,13 @@ sampling_options = [
 ]
 
 
+# Planning (jobs/prefix_plan.py) is on by default; this turns it off, for a comparison or a run that must
+# reach the engine in file order.
+arrival_order_option = click.option(
+    "--arrival-order", is_flag=True,
+    help="Hand requests to the engine in input order, not grouped by shared prompt prefix.")
+
+
 def _apply(options: list[Any], f: Any) -> Any:
     for option in reversed(options):
         f = option(f)

@@ -83,7 +83,8 @@ class BlockManager:
             self._take(block_id)
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
-        if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+        if not seq.admitted:
+            seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
             self.query_tokens += seq.num_prompt_tokens
             self.hit_tokens += seq.num_computed_tokens

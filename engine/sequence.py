@@ -34,6 +34,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admitted: bool = False  # once admitted: a re-admission after preemption finds its own blocks, not cache hits
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained prefix hash of each full block
     finish_reason: str | None = None

@@ -21,6 +21,7 @@ from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.pipes import NodePipes
+from sluice.jobs.prefix_plan import plan_key
 from sluice.jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -43,7 +44,8 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
            completion_window: float = DEFAULT_WINDOW, metadata: dict[str, str] | None = None,
            input_name: str | None = None, batch_id: str | None = None, chunk: int = CHUNK,
            endpoint: str | None = None, on_complete: dict[str, Any] | None = None,
-           line_errors: Iterable[LineErrorInfo] = (), dataset: dict[str, Any] | None = None) -> Batch:
+           line_errors: Iterable[LineErrorInfo] = (), dataset: dict[str, Any] | None = None,
+           plan: bool = True) -> Batch:
     """Queue a batch from JSONL lines (OpenAI batch or simple); returns its status after submission.
 
     ``model`` names the queue (workers started with ``--model`` of the same string pull it); without
@@ -53,12 +55,14 @@ def submit(lines: Iterable[str], *, r: redis.Redis | None = None, model: str | N
     ``line_errors`` are lines a caller's own checks refused (the API's upload limits): recorded, not parsed.
     ``dataset``: the source and row flags the lines were rendered from (``jobs/datasets/queue.py`` alone
     passes it; the API never does, so a client cannot make ``sluice results`` read a source of its choosing).
+    ``plan``: each chunk's jobs are handed out grouped by shared prompt prefix (jobs/prefix_plan.py), not
+    in line order.
     """
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
     r = r or connect()
     sub = _Submission(r, batch_id or keys.new_batch_id(), model, defaults, priority, chunk)
-    sub.endpoint = endpoint
+    sub.endpoint, sub.plan = endpoint, plan
     with refused_when_full(NOTHING_QUEUED, sub.abandon):
         sub.create(completion_window, metadata, input_name, on_complete, dataset)
         refused = {e.line: e for e in line_errors}
@@ -121,6 +125,8 @@ class _Submission:
         self.cancelled = False
         self.pending = 0
         self.chunks: dict[int, list[Any]] = {}  # priority -> [job JSON, custom_id, idx, ...]
+        self.plan = False  # hand each chunk's jobs out by shared prefix
+        self.plan_keys: dict[int, list[Any]] = {}  # priority -> each chunk job's prefix_plan.plan_key
         self.deadlines: dict[str, float] = {}
         self.errors: list[str] = []
         self.endpoint: str | None = None
@@ -184,6 +190,8 @@ class _Submission:
             self.new_streams.append(job.priority)
         self.chunks.setdefault(job.priority, []).extend((job.model_dump_json(exclude_none=True), job.custom_id,
                                                          job.idx))
+        if self.plan:
+            self.plan_keys.setdefault(job.priority, []).append(plan_key(job))
         if job.deadline is not None:
             self.deadlines[str(job.idx)] = job.deadline
         self.total += 1
@@ -195,7 +203,7 @@ class _Submission:
         self.pipe = NodePipes(self.r)
         sent = list(self.chunks)
         for prio, args in self.chunks.items():
-            enqueue(self.scripts, bid, self.streams[prio], args, p.on(self.streams[prio]))
+            enqueue(self.scripts, bid, self.streams[prio], self._planned(prio, args), p.on(self.streams[prio]))
         if self.deadlines:
             p.on(keys.deadlines(bid)).zadd(keys.deadlines(bid), self.deadlines)
         if self.errors:
@@ -215,10 +223,17 @@ class _Submission:
         for prio in sent:
             mark_ready(index, queue, self.streams[prio], keys.stream_score(prio, self.now))
         self.pending = 0
-        self.chunks, self.deadlines, self.errors, self.new_streams = {}, {}, [], []
+        self.chunks, self.deadlines, self.errors, self.new_streams, self.plan_keys = {}, {}, [], [], {}
         self.wait()
         self.inflight = self.sender.submit(_send, p, index)
         return not self.cancelled
+
+    def _planned(self, prio: int, args: list[Any]) -> list[Any]:
+        """A chunk's (job JSON, custom_id, idx) triples in hand-out order."""
+        if not self.plan:
+            return args
+        order = sorted(range(len(args) // 3), key=self.plan_keys[prio].__getitem__)
+        return [x for i in order for x in args[3 * i : 3 * i + 3]]
 
     def wait(self) -> None:
         """Wait for the flush in flight; note a cancel that came while validating."""

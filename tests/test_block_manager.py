@@ -90,3 +90,20 @@ def test_block_table_rows_follow_growth_replacement_and_departures() -> None:
         assert len(set(idx.tolist())) == len(scheduled)
         for s, i in zip(scheduled, idx.tolist(), strict=True):
             assert rows.table[i, : len(s.block_table)].tolist() == s.block_table
+
+
+def test_a_readmitted_sequence_counts_no_cache_hits_for_its_own_blocks() -> None:
+    """Preempted before its first token and admitted again, a sequence finds the blocks it computed itself
+    still cached: those are not prompt tokens served from the cache (usage.cached_tokens counted them, so
+    a batch's prompt tokens computed looked smaller than the work done)."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = _seq(0, list(range(10)))
+    _admit(bm, a)
+    assert a.num_cached_tokens == 0
+    bm.free_seq(a)  # preempted: its blocks go back to the free list, still hashed
+    a.num_computed_tokens = 0
+    assert _admit(bm, a) == [bm.hash_to_block[h] for h in a.block_hashes[:2]]
+    assert a.num_cached_tokens == 0 and bm.hit_tokens == 0
+    b = _seq(1, list(range(8)) + [7, 7])  # another sequence's hits still count
+    _admit(bm, b)
+    assert b.num_cached_tokens == 8 and bm.hit_tokens == 8

@@ -108,9 +108,11 @@ def test_submit_records_bad_lines_and_enqueues_the_rest(r: redis.Redis) -> None:
     assert queue_depth(r, "tiny") == 45
     stream = keys.jobs(b.id, 0)
     jobs = [json.loads(f["j"]) for _, f in r.xrange(stream)]
-    assert [j["idx"] for j in jobs] == list(range(45))
+    # Each chunk of 7 is handed out grouped by prompt prefix (jobs/prefix_plan.py), never mixed with the next.
+    assert [sorted(j["idx"] for j in jobs[i : i + 7]) for i in range(0, 45, 7)] == \
+        [list(range(i, min(i + 7, 45))) for i in range(0, 45, 7)]
     assert all(j["custom_id"] != f"job-{i}" for i in bad for j in jobs)
-    assert r.hget(keys.custom_ids(b.id), jobs[1]["custom_id"]) == "1"
+    assert r.hget(keys.custom_ids(b.id), jobs[1]["custom_id"]) == str(jobs[1]["idx"])
 
 
 def test_submit_with_nothing_valid_fails_the_batch(r: redis.Redis) -> None:
@@ -146,7 +148,8 @@ def test_submission_rate(r: redis.Redis) -> None:
 
 # ---- outcomes, results and cancel ------------------------------------------------------------------
 def _complete(r: redis.Redis, batch_id: str, idx: int, text: str, usage: dict[str, int] | None = None) -> tuple[int, str]:
-    """Write a completed outcome as a worker would (deliver + record), without a model."""
+    """Write a completed outcome as a worker would (deliver + record), without a model. The batch was
+    submitted with plan=False: jobs are handed out in line order, so the next one is ``idx``."""
     stream = keys.jobs(batch_id, 0)
     got = r.xreadgroup(keys.GROUP, "test", {stream: ">"}, count=1)
     eid, fields = got[0][1][0]
@@ -159,7 +162,7 @@ def _complete(r: redis.Redis, batch_id: str, idx: int, text: str, usage: dict[st
 
 
 def test_record_is_idempotent_and_finishes_the_batch(r: redis.Redis) -> None:
-    b = submit(prompt_lines(3, random.Random(1)), r=r)
+    b = submit(prompt_lines(3, random.Random(1)), r=r, plan=False)
     for i in range(3):
         assert _complete(r, b.id, i, f"t{i}") == (1, "completed" if i == 2 else "")
     # A redelivered job written again: nothing changes, nothing counted twice.
@@ -178,7 +181,7 @@ def test_batch_usage_sums_every_counter_of_its_results(r: redis.Redis) -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
     n = rng.randint(2, 6)
-    b = submit(prompt_lines(n, rng), r=r)
+    b = submit(prompt_lines(n, rng), r=r, plan=False)
     fields = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
     usages = [{k: rng.randint(0, 500) for k in fields} for _ in range(n)]
     for i, u in enumerate(usages):
@@ -191,7 +194,7 @@ def test_batch_usage_sums_every_counter_of_its_results(r: redis.Redis) -> None:
 
 
 def test_results_cursor_and_output_lines(r: redis.Redis) -> None:
-    b = submit(prompt_lines(5, random.Random(2)), r=r)
+    b = submit(prompt_lines(5, random.Random(2)), r=r, plan=False)
     for i in range(5):
         _complete(r, b.id, i, f"t{i}")
     first = read_results(r, b.id, limit=2)
@@ -205,7 +208,7 @@ def test_results_cursor_and_output_lines(r: redis.Redis) -> None:
 
 
 def test_cancel_keeps_completed_results_and_counts_exactly(r: redis.Redis) -> None:
-    b = submit(prompt_lines(30, random.Random(3)), r=r, model="q")
+    b = submit(prompt_lines(30, random.Random(3)), r=r, model="q", plan=False)
     for i in range(4):
         _complete(r, b.id, i, "done")
     assert cancel_job(r, b.id, "job-10") and not cancel_job(r, b.id, "job-10") and not cancel_job(r, b.id, "job-0")
@@ -236,7 +239,7 @@ def test_cancel_while_validating(r: redis.Redis) -> None:
 
 def test_housekeeping_expires_and_deletes(r: redis.Redis) -> None:
     now = time.time()
-    late = submit(prompt_lines(3, random.Random(5)), r=r, completion_window=60)
+    late = submit(prompt_lines(3, random.Random(5)), r=r, completion_window=60, plan=False)
     _complete(r, late.id, 0, "kept")
     deadlines = [json.dumps({"custom_id": f"d{i}", "prompt": "x", "deadline": now + (-5 if i % 2 else 3600)})
                  for i in range(6)]

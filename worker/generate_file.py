@@ -19,6 +19,7 @@ from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, Emb
 from sluice.engine.embedding_model import is_embedding_model
 from sluice.engine.llm import LLM
 from sluice.engine.outputs import Completion
+from sluice.jobs import prefix_plan
 from sluice.jobs.jsonl import values_in
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
@@ -39,7 +40,10 @@ class GenerateSummary:
 
 def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, model: str | None,
                   engine_kwargs: dict[str, Any], defaults: SamplingParams | None = None, resume: bool = False,
-                  progress: bool = True, llm: LLM | EmbeddingEngine | None = None) -> GenerateSummary:
+                  progress: bool = True, llm: LLM | EmbeddingEngine | None = None,
+                  plan: bool = True) -> GenerateSummary:
+    """``plan``: the engine takes the lines grouped by shared prompt prefix (jobs/prefix_plan.py), not in
+    file order; each result line is written as it finishes either way."""
     summary = GenerateSummary()
     done = values_in(output_path, "custom_id") | values_in(errors_path, "custom_id") if resume else set()
     combined = errors_path == output_path  # one stream for both (stdout): failures in line with results
@@ -51,6 +55,8 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
     with output_path.open("a") as out, (nullcontext(out) if combined else _LazyFile(errors_path)) as err, \
             input_path.open(encoding="utf-8", errors="surrogateescape") as src:
         jobs = list(_read_jobs(src, defaults, done, err, summary))
+        if plan:
+            jobs = prefix_plan.plan(jobs)
         if not jobs:
             return summary
         engine = llm if llm is not None else _engine(model, engine_kwargs, jobs)

@@ -11,6 +11,7 @@ from typing import Any
 from sluice.jobs.datasets import ResultsWriter, RowError, RowSpec, Source, WriteSummary, read_requests
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.prefix_plan import planned
 from sluice.jobs.schemas import Job, SamplingParams
 
 WINDOW_PER_SEQ = 2  # requests read ahead per engine slot: the scheduler always has the next ones waiting
@@ -18,11 +19,14 @@ WINDOW_PER_SEQ = 2  # requests read ahead per engine slot: the scheduler always 
 
 def generate_rows(source: Source, spec: RowSpec, writer: ResultsWriter, engine: Callable[[], Any], *,
                   defaults: SamplingParams | None = None, resume: bool = False,
-                  progress: bool = True) -> WriteSummary:
+                  progress: bool = True, plan: bool = True) -> WriteSummary:
     """Every row of ``source`` (less those ``writer`` has, on a resume) through the engine ``engine()``
     makes (called only when some row needs it: a resume with nothing left loads no model); returns
-    the closed writer's summary."""
+    the closed writer's summary. ``plan``: rows reach the engine grouped by shared prompt prefix within
+    windows of prefix_plan.PLAN_WINDOW rows (the output keeps the source's order)."""
     jobs = _jobs(source, spec, defaults, writer, resume)
+    if plan:
+        jobs = planned(jobs)
     first = next(jobs, None)
     if first is not None:
         run_jobs(engine(), _chain(first, jobs), writer, progress, total=source.num_rows())
