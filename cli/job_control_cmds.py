@@ -36,18 +36,18 @@ def dead_letters_cmd(batch_id: str, as_json: bool) -> None:
 
 @click.command("requeue")
 @click.argument("batch_id")
-@click.option("--ids", "custom_ids", multiple=True, metavar="CUSTOM_ID",
+@click.option("--ids", "custom_ids", multiple=True, default=None, metavar="CUSTOM_ID",
               help="A dead-lettered job to run again, by custom_id (repeatable).")
 @click.option("--all", "everything", is_flag=True, help="Every dead letter of the batch.")
 @json_option
 @job_server_errors
-def requeue_cmd(batch_id: str, custom_ids: tuple[str, ...], everything: bool, as_json: bool) -> None:
+def requeue_cmd(batch_id: str, custom_ids: tuple[str, ...] | None, everything: bool, as_json: bool) -> None:
     """Put BATCH's dead-lettered jobs back on the queue, keeping their custom_ids; each one's new outcome
     replaces its failure (counts, results and the error file say it ran once)."""
     if everything == bool(custom_ids):
         raise click.UsageError("give --ids CUSTOM_ID ... or --all")
     r = open_server()
-    done = _or_refused(lambda: requeue_dead_letters(r, batch_id, None if everything else list(custom_ids)), batch_id)
+    done = _or_refused(lambda: requeue_dead_letters(r, batch_id, None if everything else list(custom_ids or ())), batch_id)
     _report(done, "requeued", as_json)
 
 
