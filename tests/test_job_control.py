@@ -23,11 +23,15 @@ from cli_api_helpers import chat_lines, read_jsonl, run_sluice, start_sluice, st
 from click.testing import CliRunner
 from helpers import fresh_seed
 from jobs_helpers import ROOT, assert_exactly_once, held_by, prompt_lines, wait_for, worker_process
-from reliability_helpers import final, pending
-from sluice.jobs import keys
+from reliability_helpers import final, pending, run_to_end, tiny
+from sluice.jobs import keys, spill
+from sluice.jobs.reopen import ReopenRefused
+from sluice.jobs.scripts import Scripts
 from sluice.jobs.settings import RETRY_FLAGS, retry_backoff
-from sluice.jobs.store import dead_letters, get_batch, queue_depth
+from sluice.jobs.store import dead_letters, get_batch, get_result, queue_depth, read_results
 from sluice.jobs.submit import submit
+
+from sluice.batch import Batch
 
 pytest_plugins = ["jobs_fixtures"]
 
@@ -88,7 +92,9 @@ def test_a_failing_job_is_dead_lettered_with_backoff_listed_requeued_and_complet
         assert MARKER in dead[0]["error"] and dead[0]["job"]["custom_id"] == "poison-0"
         times = [float(t) for _, t in FAILURE.findall(log.read_text())]
         assert len(times) >= 3, log.read_text()[-3000:]
-        assert times[-2] - times[-3] >= retry_backoff(1) - 0.05 and times[-1] - times[-2] >= retry_backoff(2) - 0.05, times
+        # The documented backoff: 1 s after the first charged failure, 2 s after the second.
+        assert (retry_backoff(1), retry_backoff(2)) == (1.0, 2.0)
+        assert times[-2] - times[-3] >= 1.0 - 0.05 and times[-1] - times[-2] >= 2.0 - 0.05, times
 
         missing = run_sluice("requeue", bid, "--ids", "job-0")
         assert missing.returncode != 0 and len(missing.stderr.strip().splitlines()) == 1 and "job-0" in missing.stderr
@@ -181,6 +187,10 @@ def test_retry_of_a_finished_batch_ends_with_every_line_once_despite_a_kill_9(r:
         with pytest.raises(openai.BadRequestError, match="sluice_max_deliveries"):
             client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"sluice_max_deliveries": "0"})
+        own = client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                    metadata={"sluice_max_deliveries": "2"})
+        (_, fields), = r.xrange(keys.jobs(own.id, 0))
+        assert json.loads(fields["j"])["max_deliveries"] == 2 and own.metadata == {"sluice_max_deliveries": "2"}
         bid = _dead_lettered_batch(r, tiny_model_dir, tmp_path, lines)
         before = client.batches.retrieve(bid)
         assert before.status == "completed"
@@ -211,7 +221,6 @@ def test_retry_of_a_finished_batch_ends_with_every_line_once_despite_a_kill_9(r:
 
 def test_python_api_requeue_and_retry_refuse_what_cannot_run_again(r: redis.Redis, tiny_model_dir: Path,
                                                                    tmp_path: Path) -> None:
-    from sluice.jobs.reopen import ReopenRefused
 
     from sluice.batch import Batch
 
@@ -260,3 +269,19 @@ def test_the_readme_retry_flags_exist_on_every_worker_command(capsys: pytest.Cap
     for flag in named:
         for where, text in helps.items():
             assert flag in text, f"{where} has no {flag}"
+
+
+def test_a_failure_already_moved_to_files_is_replaced_too(r: redis.Redis, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Results moved from Redis to files (SLUICE_RESULTS_SPILL's chunks) before a retry: readers see each
+    job's new outcome once, never the failure left in a file."""
+    rng = random.Random(fresh_seed())
+    lines = prompt_lines(4, rng) + poison_lines(2, rng)
+    bid = _dead_lettered_batch(r, tiny_model_dir, tmp_path, lines)
+    assert spill.spill(r, Scripts(r), spill.files_dir(), bid, keep=0) == 6 and r.xlen(keys.results(bid)) == 0
+    assert Batch(bid, None, None, [], r).retry().status == "in_progress"  # type: ignore[arg-type]
+    run_to_end(r, bid, tiny(tiny_model_dir))
+    got = read_results(r, bid).results
+    assert sorted(x.idx for x in got) == list(range(6)) and all(x.status == "completed" for x in got)
+    assert get_result(r, bid, "poison-1").status == "completed"
+    batch = get_batch(r, bid)
+    assert (batch.status, batch.counts.completed, batch.counts.failed) == ("completed", 6, 0)
