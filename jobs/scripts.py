@@ -312,7 +312,7 @@ def append_deltas(s: Scripts, batch_id: str, worker: str, attempt: int, texts: l
 # outcome is still the one the caller read (done[idx] == its results id: a compare-and-set, so two reopens
 # or a reopen racing a worker's write never double a job) loses that outcome (its counter, its results
 # entry, its dead letter, its kept input, its error and sick tallies, its deadline) and is queued again
-# with no deliveries; a final batch is in progress again (an expired one gets its window anew).
+# with no deliveries; a final batch is in progress again, with its completion window anew from now.
 # KEYS: meta, done, results, dead, inputs, last_errors, sick, deadlines, jobs stream
 # ARGV: now, group, (idx, results id, its status, job JSON, old job entry id or '', dead entry id or '')...
 # -> {jobs queued again, -1 if the batch may not reopen; the batch status found}
@@ -340,11 +340,10 @@ for i = 3, #ARGV, 6 do
   end
 end
 if n > 0 and st ~= 'in_progress' then
-  if st == 'expired' then
-    local m = redis.call('HMGET', KEYS[1], 'created_at', 'expires_at')
-    local window = (tonumber(m[2]) or 0) - (tonumber(m[1]) or 0)
-    redis.call('HSET', KEYS[1], 'expires_at', tostring(tonumber(ARGV[1]) + window))
-  end
+  -- Its completion window anew, from now (the window as first given, kept from the first reopen on).
+  local m = redis.call('HMGET', KEYS[1], 'created_at', 'expires_at', 'window_s')
+  local window = tonumber(m[3]) or ((tonumber(m[2]) or 0) - (tonumber(m[1]) or 0))
+  redis.call('HSET', KEYS[1], 'window_s', tostring(window), 'expires_at', tostring(tonumber(ARGV[1]) + window))
   redis.call('HSET', KEYS[1], 'status', 'in_progress', 'reopened_at', ARGV[1])
   redis.call('HDEL', KEYS[1], 'completed_at', 'finalizing_at', 'expired_at')
 end

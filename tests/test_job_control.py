@@ -13,6 +13,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -29,7 +30,7 @@ from sluice.jobs.reopen import ReopenRefused
 from sluice.jobs.scripts import Scripts
 from sluice.jobs.settings import RETRY_FLAGS, retry_backoff
 from sluice.jobs.store import dead_letters, get_batch, get_result, queue_depth, read_results
-from sluice.jobs.submit import submit
+from sluice.jobs.submit import DEFAULT_WINDOW, submit
 
 from sluice.batch import Batch
 
@@ -163,6 +164,7 @@ def test_a_worker_killed_during_a_requeue_leaves_each_job_one_outcome(r: redis.R
     assert batch.status == "completed" and (batch.counts.completed, batch.counts.failed) == (n, 0)
     assert all(e["status"] == "completed" for e in assert_exactly_once(r, bid, n))
     assert dead_letters(r, bid) == [] and pending(r, bid) == 0 and queue_depth(r, "tiny") == 0
+    assert r.zscore(keys.finished_batches(), bid) is not None and r.zscore(keys.open_batches(), bid) is None
 
 
 # ---- 3: retry a finished batch's failed and expired lines, through the HTTP API -------------------------
@@ -230,7 +232,11 @@ def test_python_api_requeue_and_retry_refuse_what_cannot_run_again(r: redis.Redi
     assert sorted(d["custom_id"] for d in b.dead_letters()) == ["poison-0", "poison-1"]
     with pytest.raises(ReopenRefused, match="nope"):
         b.requeue(["nope"])
-    assert b.requeue(["poison-1"]).status == "in_progress"
+    t = time.time()
+    reopened = b.requeue(["poison-1"])
+    assert reopened.status == "in_progress" and reopened.completed_at is None
+    assert reopened.expires_at >= t + DEFAULT_WINDOW - 1  # its completion window anew: housekeeping must not expire it
+    assert r.zscore(keys.open_batches(), bid) is not None and r.zscore(keys.finished_batches(), bid) is None
     with pytest.raises(ReopenRefused, match="in_progress"):
         b.retry()
     assert [d["custom_id"] for d in b.dead_letters()] == ["poison-0"]
