@@ -104,7 +104,8 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
                kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
                quantization: str, memory_budget: int | None, tensor_parallel_size: int,
                queue: str | None, metrics_port: int | None,
-               grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None, lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
+               grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
+               lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
                worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine(model)
