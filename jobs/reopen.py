@@ -76,11 +76,11 @@ def retry_batch(r: redis.Redis, batch_id: str) -> Reopened | None:
                             "(`sluice requeue` runs its dead letters again meanwhile)")
     found = _failed_inputs(r, batch_id)
     dead = {dl.idx: eid for eid, dl in dead_letter_entries(r, batch_id)}
-    for c in found:
-        c.job.deadline = None
-        c.dead_entry = dead.get(c.job.idx, "")
-    c = batch.counts
-    return _reopen(r, batch_id, found, max(c.failed + c.expired - len(found), 0))
+    for cand in found:
+        cand.job.deadline = None
+        cand.dead_entry = dead.get(cand.job.idx, "")
+    counts = batch.counts
+    return _reopen(r, batch_id, found, max(counts.failed + counts.expired - len(found), 0))
 
 
 def _failed_inputs(r: redis.Redis, batch_id: str) -> list[Candidate]:
