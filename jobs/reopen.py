@@ -67,7 +67,7 @@ def requeue_dead_letters(r: redis.Redis, batch_id: str, custom_ids: list[str] | 
 
 def retry_batch(r: redis.Redis, batch_id: str) -> Reopened | None:
     """Queue again every failed and expired job of a finished batch (completed or expired); None if no
-    such batch. Their deadlines are dropped: they run when a worker gets to them."""
+    such batch."""
     batch = get_batch(r, batch_id, max_errors=0)
     if batch is None:
         return None
@@ -77,7 +77,6 @@ def retry_batch(r: redis.Redis, batch_id: str) -> Reopened | None:
     found = _failed_inputs(r, batch_id)
     dead = {dl.idx: eid for eid, dl in dead_letter_entries(r, batch_id)}
     for cand in found:
-        cand.job.deadline = None
         cand.dead_entry = dead.get(cand.job.idx, "")
     counts = batch.counts
     return _reopen(r, batch_id, found, max(counts.failed + counts.expired - len(found), 0))
@@ -133,6 +132,7 @@ def _reopen(r: redis.Redis, batch_id: str, found: list[Candidate], not_retryable
     rids = r.hmget(keys.done(batch_id), [c.job.idx for c in found]) if found else []
     by_stream: dict[str, list[tuple[Candidate, str]]] = defaultdict(list)
     for c, rid in zip(found, rids, strict=True):
+        c.job.deadline = None  # asked to run again: it runs when a worker gets to it, not expired again at once
         if rid is not None:
             by_stream[keys.jobs(batch_id, c.job.priority)].append((c, rid))
     _index(r, batch_id, queue, float(created or now), {st: job_score(cs[0][0].job) for st, cs in by_stream.items()})
