@@ -17,7 +17,15 @@ import redis
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sluice.api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
+from sluice.api import (
+    dashboard,
+    errors,
+    routes_batches,
+    routes_files,
+    routes_jobs,
+    routes_openai,
+    routes_retry,
+)
 from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
 from sluice.api.settings import Settings
@@ -49,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = [Depends(require_key)]
     for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router):
         app.include_router(r, dependencies=auth)
+    app.include_router(routes_retry.router, dependencies=auth)  # dead letters, requeue, retry (issue 43)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")

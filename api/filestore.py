@@ -171,13 +171,14 @@ class FileStore:
         if batch is None or file_id != (error_file_id(batch) if errors else output_file_id(batch)):
             return None
         path = self._batch_path(file_id)
-        created = int(batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
-                      or batch.created_at)
+        ended = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at or batch.created_at
+        created = int(ended)
         expires_at = int(created + (batch.output_expires_after or RESULTS_TTL))
         if expires_at <= time.time():
             path.unlink(missing_ok=True)
             return None
-        if not path.exists():
+        # Rendered before the batch last ended: some of its jobs ran again since (jobs/reopen.py).
+        if not path.exists() or path.stat().st_mtime < ended:
             self._render(r, batch, expires_at)
         kind = "errors" if errors else "output"
         meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": created,

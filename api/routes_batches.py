@@ -15,6 +15,7 @@ from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, RESERVED_METADATA_PREFIX, Batch, LineErrorInfo
+from sluice.jobs.settings import MAX_DELIVERIES_KEY, parse_max_deliveries
 from sluice.jobs.store import (
     cancel_batch,
     delete_batch,
@@ -66,9 +67,18 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         if len(k) > 64 or len(v) > 512:
             raise ApiError(400, "metadata keys are at most 64 characters and values at most 512",
                            code="invalid_metadata", param="metadata")
-        if k.lower().startswith(RESERVED_METADATA_PREFIX):
+        if k == MAX_DELIVERIES_KEY:  # the one sluice_* key a client sets: checked, then the batch's jobs carry it
+            _check_max_deliveries(v)
+        elif k.lower().startswith(RESERVED_METADATA_PREFIX):
             raise ApiError(400, f"metadata key {k!r} is reserved (keys starting {RESERVED_METADATA_PREFIX!r} are "
                            "sluice's own)", code="invalid_metadata", param="metadata")
+
+
+def _check_max_deliveries(value: str) -> None:
+    try:
+        parse_max_deliveries(value)
+    except ValueError as e:
+        raise ApiError(400, f"metadata {MAX_DELIVERIES_KEY}: {e}", code="invalid_metadata", param="metadata") from None
 
 
 @router.post("/v1/batches", summary="Create a batch from an uploaded file")

@@ -7,6 +7,10 @@ The faults are patched in here, never shipped in the packages; each is off unles
     CHAOS_BREAK_ON=TEXT     a request whose prompt contains TEXT breaks the engine when a step runs it, as
                             a CUDA device-side assert does: that step and every later one fail, whatever
                             they run (a probe request too), until the process exits.
+    CHAOS_FAIL_ON=TEXT      with CHAOS_FAIL_WHILE=PATH: while the file PATH exists, a step that runs a request
+                            whose prompt contains TEXT raises (the engine stays healthy: the probe passes), as
+                            a request an operator can fix (a missing adapter or grammar) does; each failure
+                            is logged with its time ("chaos: failing ... at T").
     CHAOS_SLOW_DISK=PATH    while the file PATH exists, each write of a results chunk (jobs/spill.py)
                             stalls until PATH is removed (at most SLOW_DISK_MAX seconds): a dying disk.
                             The stalled process creates PATH.held.<pid> meanwhile, so a caller can see it.
@@ -53,6 +57,21 @@ def break_engine_on(marker: str) -> None:
     LLM.step = step  # type: ignore[method-assign]
 
 
+def fail_while(marker: str, flag: Path) -> None:
+    from sluice.engine.llm import LLM
+
+    real_step = LLM.step
+
+    def step(self: LLM) -> Any:
+        hit = [rid for rid, s in self.requests.items() if marker in (s.request.prompt or "")]
+        if hit and flag.exists():
+            log.error("chaos: failing %s at %.3f", hit[0], time.time())
+            raise RuntimeError(f"injected: {marker!r} cannot run while {flag.name} exists")
+        return real_step(self)
+
+    LLM.step = step  # type: ignore[method-assign]
+
+
 def slow_disk(flag: Path) -> None:
     from sluice.jobs import spill
 
@@ -76,6 +95,8 @@ def slow_disk(flag: Path) -> None:
 def main() -> None:
     if marker := os.environ.get("CHAOS_BREAK_ON"):
         break_engine_on(marker)
+    if (marker := os.environ.get("CHAOS_FAIL_ON")) and (flag := os.environ.get("CHAOS_FAIL_WHILE")):
+        fail_while(marker, Path(flag))
     if flag := os.environ.get("CHAOS_SLOW_DISK"):
         slow_disk(Path(flag))
     if keep := os.environ.get("CHAOS_SPILL_KEEP"):

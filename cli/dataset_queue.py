@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 
 def submit_dataset(r: redis.Redis, input_url: str, rows: RowFlags, queue: str, defaults: SamplingParams,
-                   priority: int, window: float, *, wait: bool, output: str | None, as_json: bool) -> None:
+                   priority: int, window: float, *, wait: bool, output: str | None, as_json: bool,
+                   metadata: dict[str, str] | None = None) -> None:
     """Queue the rows; print the batch id (or, with --json, the batch); with ``wait``, write the rows
     with their results to ``output`` as they land."""
     from sluice.jobs import keys
@@ -47,7 +48,7 @@ def submit_dataset(r: redis.Redis, input_url: str, rows: RowFlags, queue: str, d
         batch_id = keys.new_batch_id()
         try:
             batch, row_errors = submit_rows(source, spec, r, model=queue, defaults=defaults, priority=priority,
-                                            completion_window=window, batch_id=batch_id)
+                                            completion_window=window, batch_id=batch_id, metadata=metadata)
         except KeyboardInterrupt:  # half a batch would wait forever in "validating"
             cancel_batch(r, batch_id)
             interrupted(f"interrupted while submitting: batch {batch_id} cancelled")

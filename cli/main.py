@@ -35,6 +35,7 @@ from sluice.cli.datasets import (
     wants_dataset,
     with_row_options,
 )
+from sluice.cli.job_control_cmds import job_control_cmds
 from sluice.cli.job_server_cmds import server_cmd
 from sluice.cli.options import (
     arrival_order_option,
@@ -154,7 +155,7 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
 
 
 for command in (submit_cmd, status_cmd, results_cmd, cancel_cmd, batches_cmd, worker_cmd, serve_cmd, up_cmd,
-                server_cmd):
+                server_cmd, *job_control_cmds):
     cli.add_command(command)
 
 

@@ -32,6 +32,7 @@ from sluice.cli.progress import rates, status_text
 from sluice.jobs import keys
 from sluice.jobs.lines import first_model
 from sluice.jobs.schemas import Batch, SamplingParams
+from sluice.jobs.settings import MAX_DELIVERIES_KEY, MAX_MAX_DELIVERIES
 from sluice.jobs.store import (
     cancel_batch,
     get_batch,
@@ -83,12 +84,15 @@ def readable_input(path: Path) -> Iterator[Path]:
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--completion-window", type=DURATION, default="24h", show_default=True,
               help="Expire what has not run by then (24h, 90m, 30s, 7d).")
+@click.option("--max-deliveries", type=click.IntRange(1, MAX_MAX_DELIVERIES), default=None,
+              help=f"Deliveries of each of this batch's jobs before it is dead-lettered [default: the worker's "
+              f"--max-deliveries]; stored as metadata {MAX_DELIVERIES_KEY}.")
 @json_option
 @job_server_errors
 def submit_cmd(input_file: str, model: str | None, wait: bool, output: str | None, errors_file: Path | None,
                max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
                chat_template_kwargs: str | None, rows: RowFlags, priority: int, completion_window: float,
-               as_json: bool) -> None:
+               max_deliveries: int | None, as_json: bool) -> None:
     """Queue INPUT_FILE (JSONL: OpenAI batch lines or simple {"prompt"|"messages", ...} lines; - reads
     stdin) and print the batch id. Bad lines are reported with their line numbers and the rest runs.
 
@@ -97,13 +101,14 @@ def submit_cmd(input_file: str, model: str | None, wait: bool, output: str | Non
     writes its rows with result columns added.
     """
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
+    metadata = {MAX_DELIVERIES_KEY: str(max_deliveries)} if max_deliveries is not None else None
     if wants_dataset(rows, input_file, output if wait else None):
         if errors_file is not None:
             raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error "
                             "column")
         r = open_server()
         submit_dataset(r, input_file, rows, _queue(r, model), defaults, priority, completion_window, wait=wait,
-                       output=output, as_json=as_json)
+                       output=output, as_json=as_json, metadata=metadata)
         return
     input_path, output_path = Path(input_file), Path(output) if output is not None else None
     if wait and output_path is None and input_file == STDIO:
@@ -114,7 +119,8 @@ def submit_cmd(input_file: str, model: str | None, wait: bool, output: str | Non
         named = _first_model(path)
         r = open_server()
         queue = _queue(r, model if model is not None else named)
-        batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=input_file)
+        batch = _submit_file(r, path, queue, defaults, priority, completion_window, name=input_file,
+                             metadata=metadata)
         if batch.counts.total == 0:
             if as_json:
                 _print_json(batch.to_openai())
@@ -134,12 +140,12 @@ def submit_cmd(input_file: str, model: str | None, wait: bool, output: str | Non
 
 
 def _submit_file(r: redis.Redis, path: Path, queue: str, defaults: SamplingParams, priority: int,
-                 window: float, name: str) -> Batch:
+                 window: float, name: str, metadata: dict[str, str] | None = None) -> Batch:
     batch_id = keys.new_batch_id()
     try:
         with _open_lines(path) as lines:
             return submit(lines, r=r, model=queue, defaults=defaults, priority=priority, completion_window=window,
-                          input_name=name, batch_id=batch_id)
+                          input_name=name, batch_id=batch_id, metadata=metadata)
     except KeyboardInterrupt:  # half a batch would wait forever in "validating"
         cancel_batch(r, batch_id)
         interrupted(f"interrupted while submitting: batch {batch_id} cancelled")

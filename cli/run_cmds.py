@@ -22,10 +22,10 @@ from sluice.cli.common import (
     open_server,
     server_name,
 )
-from sluice.cli.options import engine_kwargs, env_option, with_engine_options
+from sluice.cli.options import Parsed, engine_kwargs, env_option, with_engine_options
 from sluice.jobs.connection import EmbeddedServer, stop_server
 from sluice.jobs.keys import parse_lora_module
-from sluice.jobs.settings import load
+from sluice.jobs.settings import RETRY_FLAGS, load
 from sluice.jobs.store import served_queues
 
 worker_options = [
@@ -37,6 +37,9 @@ worker_options = [
     env_option("--grace-period", envvar="SLUICE_GRACE_PERIOD", type=click.FloatRange(min=0), default=30.0,
                show_default=True, help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at "
                "once)."),
+    # --max-deliveries, --heartbeat-ttl: spelled once in jobs/settings.py (python -m sluice.worker takes them too).
+    *(env_option(f.flag, envvar=f.envvar, type=Parsed(f.dest, f.parse), default=None, help=f.help)
+      for f in RETRY_FLAGS),
 ]
 
 
@@ -75,6 +78,11 @@ def with_lora_options(f: Any) -> Any:
     return f
 
 
+def _given(**opts: Any) -> dict[str, Any]:
+    """The worker options given; the rest keep WorkerOptions' defaults."""
+    return {k: v for k, v in opts.items() if v is not None}
+
+
 def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
     from sluice.worker import run_worker  # torch and the engine load only for the commands that run one
 
@@ -96,7 +104,8 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
                kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
                quantization: str, memory_budget: int | None, tensor_parallel_size: int,
                queue: str | None, metrics_port: int | None,
-               grace_period: float, lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
+               grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
+               lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
                worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine(model)
@@ -107,7 +116,8 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
     if lora_modules:
         engine.update(lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank)
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
-                         grace_period=grace_period, exit_when_idle=exit_when_idle)
+                         grace_period=grace_period, exit_when_idle=exit_when_idle,
+                         **_given(max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl))
     click.echo(json.dumps(asdict(report)), err=True)
 
 
@@ -206,7 +216,8 @@ class ApiThread:
 def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
            policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
                memory_budget: int | None, tensor_parallel_size: int, queue: str | None,
-           metrics_port: int | None, grace_period: float, host: str, port: int) -> None:
+           metrics_port: int | None, grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
+           host: str, port: int) -> None:
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
     The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
@@ -227,7 +238,8 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     click.echo(f"loading {model or 'the default model'}; job server: {server_name()}", err=True)
     t0 = time.monotonic()
     try:
-        report = _run_worker(model, engine, queue=queue, metrics_port=metrics_port, grace_period=grace_period)
+        report = _run_worker(model, engine, queue=queue, metrics_port=metrics_port, grace_period=grace_period,
+                             **_given(max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl))
         click.echo(f"worker stopped after {time.monotonic() - t0:.0f}s: {report.completed} completed, "
                    f"{report.failed} failed", err=True)
     except KeyboardInterrupt:  # before the worker took over Ctrl-C (while the model loaded)

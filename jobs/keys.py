@@ -90,6 +90,12 @@ def dead(batch_id: str) -> str:
     return _b(batch_id, "dead")
 
 
+def inputs(batch_id: str) -> str:
+    """Hash: job idx -> "<status> <Job JSON>" of each job a worker gave a failed or expired outcome (its stream
+    entry is deleted then), so `sluice retry` can run it again; only failures cost memory here."""
+    return _b(batch_id, "inputs")
+
+
 def line_errors(batch_id: str) -> str:
     """List of rejected input lines (LineErrorInfo JSON)."""
     return _b(batch_id, "line_errors")
@@ -140,7 +146,7 @@ def deltas(batch_id: str) -> str:
 def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
-            sick_episodes(batch_id), spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
+            sick_episodes(batch_id), inputs(batch_id), spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
 
 
 def parse_jobs_key(key: str) -> tuple[str, int]:

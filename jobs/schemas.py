@@ -165,6 +165,7 @@ class Job(BaseModel):
     deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
     stream: bool | None = None  # an interactive request streaming its text (jobs/interactive.py); None: no
+    max_deliveries: int | None = Field(None, ge=1)  # its batch's own (metadata sluice_max_deliveries); None: the worker's
 
     @model_validator(mode="after")
     def _one_input(self) -> Job:

@@ -51,10 +51,11 @@ local function finish_if_done(meta, now)
 end
 """
 
-# KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead
+# KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead, inputs
 # ARGV: idx, status, Result JSON (the usage decoded from it), stream entry id to ack ('' for none),
 #       DeadLetter JSON ('' for none), now, group
 # -> {1 if this write gave the job its outcome else 0, final batch status reached or ''}
+# A failed or expired job's input is kept (inputs: "<status> <job JSON>") before its entry goes, for a retry.
 # A batch deleted meanwhile (a Celery generate drops its own once read) gets nothing written back,
 # so a write retried after a lost reply cannot leave stray keys.
 RECORD = _FINISH + """
@@ -75,6 +76,15 @@ if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[1]
   if ARGV[5] ~= '' then
     redis.call('XADD', KEYS[5], '*', 'i', ARGV[1], 'd', ARGV[5])
   end
+  if ARGV[4] ~= '' and (ARGV[2] == 'failed' or ARGV[2] == 'expired') then
+    local e = redis.call('XRANGE', KEYS[4], ARGV[4], ARGV[4])
+    if e[1] then
+      local f = e[1][2]
+      for k = 1, #f, 2 do
+        if f[k] == 'j' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[2] .. ' ' .. f[k + 1]) end
+      end
+    end
+  end
   fresh = 1
   fin = finish_if_done(KEYS[1], ARGV[6])
 end
@@ -91,7 +101,7 @@ def record(s: Scripts, batch_id: str, idx: int, status: str, result_json: str, s
     """The atomic write of one outcome (``stream``/``entry_id`` "" for no entry to acknowledge); its
     reply, on ``client`` (a pipeline) or at once, is ``[fresh, final status or '']``."""
     ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), stream or keys.meta(batch_id),
-          keys.dead(batch_id)]
+          keys.dead(batch_id), keys.inputs(batch_id)]
     return s.run(RECORD, ks, [idx, status, result_json, entry_id, dead_json, now, keys.GROUP], client)
 
 # The outcome of a job that has none yet (cancel, expiry), as Python built it: no worker holds its Result.
@@ -296,3 +306,57 @@ def append_deltas(s: Scripts, batch_id: str, worker: str, attempt: int, texts: l
     for index, text in texts:
         args += [index, text]
     return s.run(APPEND_DELTAS, [keys.meta(batch_id), keys.deltas(batch_id)], args, client)
+
+
+# Gives jobs that ended failed or expired a new delivery (`sluice requeue`, `sluice retry`): each job whose
+# outcome is still the one the caller read (done[idx] == its results id: a compare-and-set, so two reopens
+# or a reopen racing a worker's write never double a job) loses that outcome (its counter, its results
+# entry, its dead letter, its kept input, its error and sick tallies, its deadline) and is queued again
+# with no deliveries; a final batch is in progress again, with its completion window anew from now.
+# KEYS: meta, done, results, dead, inputs, last_errors, sick, deadlines, jobs stream
+# ARGV: now, group, (idx, results id, its status, job JSON, old job entry id or '', dead entry id or '')...
+# -> {jobs queued again, -1 if the batch may not reopen; the batch status found}
+REOPEN = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st ~= 'in_progress' and st ~= 'completed' and st ~= 'expired' then return {-1, st or ''} end
+local n = 0
+for i = 3, #ARGV, 6 do
+  local idx = ARGV[i]
+  if redis.call('HGET', KEYS[2], idx) == ARGV[i + 1] then
+    redis.call('HDEL', KEYS[2], idx)
+    redis.call('HINCRBY', KEYS[1], ARGV[i + 2], -1)
+    redis.call('XDEL', KEYS[3], ARGV[i + 1])
+    if ARGV[i + 4] ~= '' then
+      redis.call('XACK', KEYS[9], ARGV[2], ARGV[i + 4])
+      redis.call('XDEL', KEYS[9], ARGV[i + 4])
+    end
+    if ARGV[i + 5] ~= '' then redis.call('XDEL', KEYS[4], ARGV[i + 5]) end
+    redis.call('HDEL', KEYS[5], idx)
+    redis.call('HDEL', KEYS[6], idx)
+    redis.call('HDEL', KEYS[7], idx)
+    redis.call('ZREM', KEYS[8], idx)
+    redis.call('XADD', KEYS[9], '*', 'j', ARGV[i + 3])
+    n = n + 1
+  end
+end
+if n > 0 and st ~= 'in_progress' then
+  -- Its completion window anew, from now (the window as first given, kept from the first reopen on).
+  local m = redis.call('HMGET', KEYS[1], 'created_at', 'expires_at', 'window_s')
+  local window = tonumber(m[3]) or ((tonumber(m[2]) or 0) - (tonumber(m[1]) or 0))
+  redis.call('HSET', KEYS[1], 'window_s', tostring(window), 'expires_at', tostring(tonumber(ARGV[1]) + window))
+  redis.call('HSET', KEYS[1], 'status', 'in_progress', 'reopened_at', ARGV[1])
+  redis.call('HDEL', KEYS[1], 'completed_at', 'finalizing_at', 'expired_at')
+end
+return {n, st}
+"""
+
+
+def reopen(s: Scripts, batch_id: str, stream: str, jobs: list[tuple[int, str, str, str, str, str]],
+           now: float) -> tuple[int, str]:
+    """``jobs``: (idx, results id, status, job JSON, old entry id or '', dead entry id or '') each, all of
+    ``stream``; (jobs queued again or -1 if the batch may not reopen, the batch status found)."""
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.dead(batch_id),
+          keys.inputs(batch_id), keys.last_errors(batch_id), keys.sick_episodes(batch_id), keys.deadlines(batch_id),
+          stream]
+    n, status = s.run(REOPEN, ks, [now, keys.GROUP, *(x for job in jobs for x in job)])
+    return int(n), status or ""

@@ -8,6 +8,9 @@ A bad value fails with one line naming the variable (``SettingsError``).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -104,3 +107,80 @@ def env_names(cls: type[BaseSettings]) -> list[str]:
 
 def job_plane() -> JobPlaneSettings:
     return load(JobPlaneSettings)
+
+
+# ---- retries: how often a job is delivered, how fast a dead worker's jobs are taken, the backoff ---------
+DEFAULT_MAX_DELIVERIES = 3
+MAX_MAX_DELIVERIES = 100
+DEFAULT_HEARTBEAT_TTL = 10.0  # seconds
+HEARTBEAT_TTL_RANGE = (1.0, 3600.0)
+# A job that failed an attempt waits RETRY_BACKOFF * 2**(attempts - 1) seconds, at most RETRY_BACKOFF_MAX,
+# before it runs again: 1 s, 2 s, 4 s, ... 60 s.
+RETRY_BACKOFF = 1.0
+RETRY_BACKOFF_MAX = 60.0
+# The batch metadata key that sets a batch's own max deliveries (`sluice submit --max-deliveries`, the API's
+# metadata): the one sluice_* key a client may set.
+MAX_DELIVERIES_KEY = "sluice_max_deliveries"
+
+
+def retry_backoff(attempts: int) -> float:
+    """Seconds a job that failed its ``attempts``-th delivery waits before the next one."""
+    return min(RETRY_BACKOFF * 2 ** max(attempts - 1, 0), RETRY_BACKOFF_MAX)
+
+
+def parse_max_deliveries(value: object) -> int:
+    """A max-deliveries setting (flag, variable or metadata value); a ValueError says what is wrong."""
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"max deliveries must be a whole number, not {value!r}") from None
+    if not 1 <= n <= MAX_MAX_DELIVERIES:
+        raise ValueError(f"max deliveries must be between 1 and {MAX_MAX_DELIVERIES}, not {n}")
+    return n
+
+
+def parse_heartbeat_ttl(value: object) -> float:
+    """A heartbeat TTL in seconds; a ValueError says what is wrong."""
+    try:
+        ttl = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"heartbeat TTL must be a number of seconds, not {value!r}") from None
+    low, high = HEARTBEAT_TTL_RANGE
+    if not low <= ttl <= high:  # also refuses nan and inf
+        raise ValueError(f"heartbeat TTL must be between {low:g} and {high:g} seconds, not {value}")
+    return ttl
+
+
+@dataclass(frozen=True)
+class WorkerFlag:
+    """A worker option that ``sluice worker``/``sluice up`` (click) and ``python -m sluice.worker``
+    (argparse) both take: spelled once here, with its variable and its parser."""
+
+    flag: str
+    envvar: str
+    parse: Callable[[object], Any]
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def from_env(self) -> Any:
+        """The variable's value, parsed (None when unset or empty); a bad one is a SettingsError line."""
+        raw = os.environ.get(self.envvar, "")
+        if not raw.strip():
+            return None
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise SettingsError(f"{self.envvar}: {e}") from None
+
+
+RETRY_FLAGS = (
+    WorkerFlag("--max-deliveries", "SLUICE_MAX_DELIVERIES", parse_max_deliveries,
+               f"Deliveries of a job before it is dead-lettered (failed, listed by `sluice dead-letters`) "
+               f"[default: {DEFAULT_MAX_DELIVERIES}; a batch's metadata {MAX_DELIVERIES_KEY} wins]."),
+    WorkerFlag("--heartbeat-ttl", "SLUICE_HEARTBEAT_TTL", parse_heartbeat_ttl,
+               f"Seconds without a heartbeat before other workers take this worker's jobs "
+               f"[default: {DEFAULT_HEARTBEAT_TTL:g}]."),
+)

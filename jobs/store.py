@@ -139,7 +139,7 @@ def queue_completion(r: redis.Redis, batch_id: str, now: float) -> bool:
     The HSETNX is the claim: of all the processes that retire a batch (the worker writing its last
     result, a canceller, housekeeping retrying), one queues it. At most once: a process dying between
     the claim and the RPUSH loses it."""
-    if not _final(r, batch_id):
+    if not settled(r, batch_id):
         return False  # an expired batch is final before its sweep wrote every outcome; the sweep retires it again
     if not r.hsetnx(keys.meta(batch_id), "on_complete_queued_at", now):
         return False
@@ -178,15 +178,25 @@ def read_results(r: redis.Redis, batch_id: str, cursor: str = "0", limit: int = 
     while len(got) < limit:
         start = "-" if cursor == "0" else f"({cursor}"
         spilled, entries = results_after(scripts, batch_id, start, limit - len(got))
-        if spilled and spill.id_key(cursor) < spill.id_key(spilled):
+        from_files = bool(spilled) and spill.id_key(cursor) < spill.id_key(spilled)
+        if from_files:
             more = spill.read(r, spill.files_dir(), batch_id, cursor, limit - len(got))
         else:
             more = [(eid, dict(zip(fields[::2], fields[1::2], strict=True))["r"]) for eid, fields in entries]
         if not more:
             break
-        got += more
+        got += _current(r, batch_id, more) if from_files else more
         cursor = more[-1][0]
     return ResultsPage([Result.model_validate_json(res) for _, res in got], cursor)
+
+
+def _current(r: redis.Redis, batch_id: str, spilled: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The spilled results still their job's outcome: a job run again (jobs/reopen.py) left its old one in a
+    file; its entry in the results stream is deleted then, so only files need this check."""
+    if not spilled or not r.hexists(keys.meta(batch_id), "reopened_at"):
+        return spilled
+    idxs = [json.loads(res)["idx"] for _, res in spilled]
+    return [e for e, rid in zip(spilled, r.hmget(keys.done(batch_id), idxs), strict=True) if e[0] == rid]
 
 
 def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bool = False,
@@ -198,7 +208,7 @@ def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bo
         cursor = page.cursor
         if page.results:
             continue
-        if not follow or _final(r, batch_id):
+        if not follow or settled(r, batch_id):
             if follow:  # results written just before the final state
                 yield from read_results(r, batch_id, cursor).results
             return
@@ -206,7 +216,7 @@ def iter_results(r: redis.Redis, batch_id: str, *, cursor: str = "0", follow: bo
         r.xread({keys.results(batch_id): start}, count=1, block=int(poll * 1000))
 
 
-def _final(r: redis.Redis, batch_id: str) -> bool:
+def settled(r: redis.Redis, batch_id: str) -> bool:
     """Final, and every outcome written: an expired batch turns final before its jobs are swept."""
     status, total, *done = r.hmget(keys.meta(batch_id), "status", "total", "completed", "failed", "cancelled",
                                    "expired")

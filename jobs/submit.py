@@ -32,6 +32,7 @@ from sluice.jobs.schemas import (
     SamplingParams,
 )
 from sluice.jobs.scripts import Scripts, enqueue, finish, transition
+from sluice.jobs.settings import MAX_DELIVERIES_KEY, parse_max_deliveries
 from sluice.jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
@@ -131,9 +132,12 @@ class _Submission:
         self.errors: list[str] = []
         self.endpoint: str | None = None
         self.flushed_at = self.now
+        self.max_deliveries: int | None = None  # the batch's own, from its metadata
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
                on_complete: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None) -> None:
+        if (metadata or {}).get(MAX_DELIVERIES_KEY) is not None:
+            self.max_deliveries = parse_max_deliveries((metadata or {})[MAX_DELIVERIES_KEY])
         fields: dict[str, Any] = {
             "id": self.bid, "status": "validating", "model": self.model or "", "priority": self.priority,
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
@@ -165,6 +169,7 @@ class _Submission:
             self.r.hset(keys.meta(self.bid), "endpoint", self.endpoint)
         if "priority" not in job.model_fields_set:
             job.priority = self.priority
+        job.max_deliveries = self.max_deliveries
         self._enqueue(job)
 
     def _check(self, job: Job) -> None:

@@ -12,8 +12,9 @@ import redis
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
 from sluice.jobs.datasets import RowError, RowSpec, Source, WriteSummary
 from sluice.jobs.datasets.queue import join_results, submit_rows
+from sluice.jobs.reopen import Reopened, requeue_dead_letters, retry_batch
 from sluice.jobs.schemas import Batch as BatchStatus
-from sluice.jobs.store import cancel_batch, get_batch, output_lines
+from sluice.jobs.store import cancel_batch, dead_letters, get_batch, output_lines
 
 
 class Batch:
@@ -71,6 +72,25 @@ class Batch:
     def cancel(self) -> BatchStatus:
         cancel_batch(self.r, self.id)
         return self.status()
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """The jobs given up on after max deliveries (custom_id, last error, deliveries, the job)."""
+        return dead_letters(self.r, self.id)
+
+    def requeue(self, custom_ids: list[str] | None = None) -> BatchStatus:
+        """Run dead-lettered jobs again (``custom_ids``; None: all); each new outcome replaces its failure.
+        A custom_id without a dead letter raises ValueError (nothing is requeued then)."""
+        return self._reopened(requeue_dead_letters(self.r, self.id, custom_ids))
+
+    def retry(self) -> BatchStatus:
+        """Run the failed and expired rows of this finished batch again; ``wait()`` then sees them succeed
+        (or fail again) in place of the old outcomes. ValueError if the batch is not completed or expired."""
+        return self._reopened(retry_batch(self.r, self.id))
+
+    def _reopened(self, done: Reopened | None) -> BatchStatus:
+        if done is None:
+            raise LookupError(f"batch {self.id} is gone from the job server (deleted or expired)")
+        return done.batch
 
     def write(self, output: str, *, timeout: float | None = None, progress: bool = True,
               **writer: Any) -> WriteSummary:

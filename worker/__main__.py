@@ -6,11 +6,14 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from sluice.engine.lora.adapters import LoraError
 from sluice.engine.models.base import UnsupportedModelError
 from sluice.jobs.keys import parse_lora_module
+from sluice.jobs.settings import RETRY_FLAGS, SettingsError
 from sluice.jobs.units import parse_size
 from sluice.worker.isolation import EngineSick
 from sluice.worker.run import run_worker
@@ -35,12 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-lora-rank", type=int)
     # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
     p.add_argument("--lookahead", type=int)
-    p.add_argument("--max-deliveries", type=int)
-    p.add_argument("--heartbeat-ttl", type=float)
+    for f in RETRY_FLAGS:  # spelled once in jobs/settings.py (sluice worker takes them too)
+        p.add_argument(f.flag, type=_parsed(f.parse), default=None, help=f.help + f" Env: {f.envvar}.")
     p.add_argument("--grace-period", type=float)
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--exit-when-idle", type=float, help="seconds")
     a = p.parse_args(argv)
+    try:
+        for f in RETRY_FLAGS:  # the variable where the flag is not given
+            if getattr(a, f.dest) is None:
+                setattr(a, f.dest, f.from_env())
+    except SettingsError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     given = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "lora")}
     if a.lora:
@@ -57,6 +66,15 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("worker").error("exiting: %s; its jobs were handed back to the queue", e)
         sys.exit(EXIT_ENGINE_SICK)
     print(json.dumps(asdict(report)))
+
+
+def _parsed(parse: Callable[[object], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def _lora(spec: str) -> tuple[str, str]:

@@ -45,7 +45,8 @@ class Draining:
             self._begin_drain(now)
         if not self.draining:
             return False
-        if self.held and now < self.drain_deadline:
+        # Jobs waiting out a retry backoff are not waited for: they go back at once.
+        if len(self.held) > len(self.iso.backing_off) and now < self.drain_deadline:
             return False
         if self.held:
             self._release_all()

@@ -55,6 +55,7 @@ class Isolation(Generic[H]):
     wary: deque[H] = field(default_factory=deque)  # held during some engine's sick episode: each runs alone
     healthy: bool = False  # a step or a probe succeeded since the last failure
     alone_on_healthy: bool = False  # the job running alone started on an engine known to work
+    backing_off: list[tuple[float, H]] = field(default_factory=list)  # (monotonic due time, job) charged jobs wait
 
     @property
     def active(self) -> bool:
@@ -113,6 +114,16 @@ class Isolation(Generic[H]):
     def retry_first(self, h: H) -> None:
         self.suspects.appendleft(h)
 
+    def retry_after(self, h: H, due: float) -> None:
+        """A charged job runs again (alone, first) once ``due`` (time.monotonic) has passed: its backoff."""
+        self.backing_off.append((due, h))
+
+    def due(self, now: float) -> None:
+        """The jobs whose backoff is over go first in line to run alone."""
+        for due, h in [x for x in self.backing_off if x[0] <= now]:
+            self.backing_off.remove((due, h))
+            self.retry_first(h)
+
     def discard(self, h: Any) -> None:
         if self.alone is h:
             self.alone = None
@@ -120,10 +131,12 @@ class Isolation(Generic[H]):
             self.suspects.remove(h)
         if h in self.wary:
             self.wary.remove(h)
+        self.backing_off = [x for x in self.backing_off if x[1] is not h]
 
     def clear(self) -> None:
         self.suspects.clear()
         self.wary.clear()
+        self.backing_off.clear()
         self.alone = None
         self.accused = None
         self.probe_rid = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from sluice.engine.protocol import Engine
 from sluice.jobs.consumer.session import SessionSettings, SessionStats
 from sluice.jobs.housekeeping import RESULTS_TTL
+from sluice.jobs.settings import DEFAULT_HEARTBEAT_TTL, DEFAULT_MAX_DELIVERIES
 
 EngineFactory = Callable[[], Engine]
 
@@ -21,8 +22,8 @@ class WorkerOptions:
     worker_id: str | None = None  # default: "<host>/<device>", suffixed -2, -3... while taken
     redis_url: str | None = None  # default: SLUICE_REDIS_URL, else the embedded server
     lookahead: int | None = None  # default: 10% of max_num_seqs, at least 2
-    max_deliveries: int = 3
-    heartbeat_ttl: float = 10.0
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES
+    heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL
     claim_interval: float | None = None  # default: heartbeat_ttl / 2
     grace_period: float = 30.0
     metrics_port: int | None = None

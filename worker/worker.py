@@ -21,6 +21,7 @@ from sluice.engine.embedding_engine import EmbeddingOutput
 from sluice.engine.outputs import Completion
 from sluice.engine.protocol import Engine
 from sluice.jobs.consumer.session import ConsumerSession
+from sluice.jobs.settings import retry_backoff
 from sluice.worker.drain import Draining
 from sluice.worker.held import Held
 from sluice.worker.isolation import EngineSick, Isolation, culprit_error
@@ -114,6 +115,8 @@ class Worker(Draining):
 
     # ---- taking jobs -----------------------------------------------------------------------------
     def _fill(self) -> None:
+        if self.iso.backing_off:
+            self.iso.due(time.monotonic())
         if self.iso.active:
             if not self.llm.has_unfinished():
                 self._next_isolated()
@@ -237,14 +240,17 @@ class Worker(Draining):
         self.drain_deadline = time.monotonic()  # hand back at once; results already made still get written
 
     def _attempt_failed(self, h: Held, e: BaseException) -> None:
-        """This job made a working engine fail: retry it alone, or dead-letter it after max_deliveries."""
+        """This job made a working engine fail: retry it alone after its backoff (held meanwhile, so no
+        other worker gets it sooner), or dead-letter it after max_deliveries."""
         verdict = self.session.charge(h.d, f"{type(e).__name__}: {e}")
         if verdict == "dead":
             self._forget(h)
         elif verdict == "lost":
             self._lose(h)
         else:
-            self.iso.retry_first(h)
+            wait = retry_backoff(h.d.deliveries - 1)
+            log.info("job %s failed attempt %d; retrying in %.0fs", h.job.id, h.d.deliveries - 1, wait)
+            self.iso.retry_after(h, time.monotonic() + wait)
 
     def _abort(self, h: Held) -> None:
         if h.rid is None:

@@ -44,7 +44,7 @@ from sluice.jobs.consumer.outcomes import failed_instead
 from sluice.jobs.consumer.upkeep import Upkeep
 from sluice.jobs.housekeeping import RESULTS_TTL
 from sluice.jobs.schemas import Result
-from sluice.jobs.settings import job_plane
+from sluice.jobs.settings import DEFAULT_HEARTBEAT_TTL, DEFAULT_MAX_DELIVERIES, job_plane
 from sluice.jobs.store import served_queues
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, redis.
 class SessionSettings:
     """How a session behaves; the worker's options carry them (worker/options.py)."""
 
-    max_deliveries: int = 3
-    heartbeat_ttl: float = 10.0
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES  # a batch's own (Job.max_deliveries) wins
+    heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL
     claim_interval: float | None = None  # default: heartbeat_ttl / 2
     stall_after: float = 600.0  # a step loop stuck this long (a hung engine) lets the heartbeat lapse
     housekeeping_interval: float = 30.0
@@ -226,7 +226,7 @@ class ConsumerSession:
         if d.job.deadline is not None and d.job.deadline <= now:
             self.settle(d, "expired", "deadline_exceeded", "the deadline passed before the job started")
             return "deadline"
-        if d.deliveries > self.s.max_deliveries:
+        if d.deliveries > self.max_deliveries(d):
             self.dead_letter(d, last_error or "the worker running it stopped without a result (crashed?)")
             return "dead"
         return None
@@ -285,11 +285,15 @@ class ConsumerSession:
         self.outbox.add(outcomes.dead_letter(d, error, self.id, self.queue))
         self.stats.dead_lettered += 1
 
+    def max_deliveries(self, d: Delivery) -> int:
+        """Deliveries ``d`` may have: its batch's own setting, else this worker's."""
+        return d.job.max_deliveries or self.s.max_deliveries
+
     def charge(self, d: Delivery, error: str) -> Literal["retry", "dead", "lost"]:
         """This job made a working engine fail: dead-letter it after ``max_deliveries``, else count the
         attempt in Redis (so the tally survives our crash; fenced: "lost" if another worker has it)."""
         self._guard(commands.note_error, self.link.r, d, error)
-        if d.deliveries >= self.s.max_deliveries:
+        if d.deliveries >= self.max_deliveries(d):
             self.dead_letter(d, error)
             return "dead"
         if self._guard(commands.count_attempt, self.link.r, self.link.scripts, d, self.id) is False:
