@@ -194,11 +194,14 @@ def batch_row(b: Batch, now: float) -> dict[str, Any]:
 def worker_row(w: dict[str, Any], now: float) -> dict[str, Any]:
     total, free = int(w.get("total_blocks") or 0), int(w.get("free_blocks") or 0)
     beat = float(w.get("time") or 0.0)
+    prompt, cached = int(w.get("prompt_tokens") or 0), int(w.get("cached_tokens") or 0)
     return {"id": str(w.get("id") or "?"), "host": str(w.get("host") or ""), "queue": str(w.get("queue") or "default"),
             "running": int(w.get("running") or 0), "waiting": int(w.get("waiting") or 0),
             "held": int(w.get("held") or 0), "kv_used": total - free, "kv_total": total,
             "kv_percent": 100.0 * (total - free) / total if total else 0.0,
-            "beat_ago": duration(max(0.0, now - beat)) if beat else "-", "draining": bool(w.get("draining"))}
+            "beat_ago": duration(max(0.0, now - beat)) if beat else "-", "draining": bool(w.get("draining")),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "cache_percent": 100.0 * cached / prompt if prompt else None}
 
 
 @dataclass

@@ -171,6 +171,7 @@ class LLM(Intake[_RequestState, Completion]):
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
             "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
+            "prompt_tokens": self.block_manager.query_tokens,
             "max_running": self.max_running_seen,
             "num_blocks": self.num_total_blocks,
         }

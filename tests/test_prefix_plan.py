@@ -155,3 +155,28 @@ def _shared_blocks(toks: list[list[int]], lines: list[str], bs: int) -> dict[str
             common += 1
         out[g] = common // bs
     return out
+
+
+def test_prompt_tokens_served_from_cache_per_batch_and_per_worker(r: redis.Redis, tiny_model_dir: Path) -> None:
+    """The batch's usage and the worker's heartbeat say how many prompt tokens the prefix cache served; the
+    dashboard's workers page shows the worker's share."""
+    from jobs_helpers import ThreadWorker, wait_for
+    from reliability_helpers import final
+    from sluice.api.dashboard import worker_row
+    from sluice.jobs.store import get_batch, list_workers
+
+    seed = fresh_seed()
+    lines, _ = _shuffled_lines(random.Random(seed), 2, 4, 3)
+    b = submit(lines, r=r, model="tiny")
+    w = ThreadWorker(tiny(tiny_model_dir, block_size=16), worker_id="cache")
+    try:
+        wait_for(lambda: final(r, b.id), 300, "the batch")
+        wait_for(lambda: any(x.get("cached_tokens") for x in list_workers(r)), 30, "a heartbeat with the counts")
+        beat = next(x for x in list_workers(r) if x["id"] == "cache")
+    finally:
+        w.join()
+    usage = get_batch(r, b.id).usage
+    assert 0 < usage.cached_tokens < usage.prompt_tokens, (seed, usage)
+    assert (beat["cached_tokens"], beat["prompt_tokens"]) == (usage.cached_tokens, usage.prompt_tokens), seed
+    row = worker_row(beat, beat["time"])
+    assert row["cache_percent"] == 100.0 * usage.cached_tokens / usage.prompt_tokens

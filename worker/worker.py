@@ -72,7 +72,8 @@ class Worker(Draining):
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
                 "serves": serves(llm), "quantization": getattr(llm, "quantization", "none"),
-                "adapters": adapter_names(llm), "parallelism": getattr(llm, "parallelism", "one device")}
+                "adapters": adapter_names(llm), "parallelism": getattr(llm, "parallelism", "one device"),
+                **_prompt_cache(llm)}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -301,3 +302,9 @@ class Worker(Draining):
             signal.signal(sig, old)
         self.metrics.close()
         self.report.merge(self.session.stats)
+
+
+def _prompt_cache(llm: Any) -> dict[str, int]:
+    """Prompt tokens this worker was asked for and those its prefix cache served (since it started)."""
+    stats = getattr(llm, "stats", None) or {}
+    return {"prompt_tokens": int(stats.get("prompt_tokens", 0)), "cached_tokens": int(stats.get("prefix_cache_hit_tokens", 0))}
