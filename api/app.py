@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sluice.api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
 from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
+from sluice.api.routes_control import router as control_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
 from sluice.api.validation import max_line_bytes
@@ -47,7 +48,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sluice = state
     errors.install(app)
     auth = [Depends(require_key)]
-    for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router):
+    for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router,
+              control_router):
         app.include_router(r, dependencies=auth)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],

@@ -164,6 +164,38 @@ def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, 
     written, fin = s.run(EXPIRE_DUE, ks, [now, *results])
     return int(written), fin or "", len(due)
 
+# Hands out up to ARGV[3] new jobs of one stream unless its batch is paused (meta ``paused_at``): the check
+# and the read in one script, so no job is handed out once a pause is recorded (jobs/pause.py).
+# KEYS: meta, stream; ARGV: group, consumer, count -> {0} if paused, else {1, entries} (XREADGROUP's)
+PULL = """
+if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {0} end
+local ok, got = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[2], '>')
+if not ok or not got then return {1, {}} end  -- NOGROUP: the batch was deleted since the list was read
+return {1, got[1][2]}
+"""
+
+
+def pull(s: Scripts, stream: str, consumer: str, n: int) -> list[Any] | None:
+    """New entries of ``stream`` for ``consumer`` (at most ``n``), [id, [field, value, ...]] each; None if its
+    batch is paused."""
+    batch_id, _ = keys.parse_jobs_key(stream)
+    got = s.run(PULL, [keys.meta(batch_id), stream], [keys.GROUP, consumer, n])
+    return None if int(got[0]) == 0 else list(got[1])
+
+
+# Claims pending entries (XCLAIM with a minimum idle time) unless their batch is paused, atomically as PULL.
+# KEYS: meta, stream; ARGV: group, consumer, min idle ms, entry id... -> XCLAIM's entries ({} if paused)
+CLAIM = """
+if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {} end
+return redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], ARGV[3], unpack(ARGV, 4))
+"""
+
+
+def claim(s: Scripts, stream: str, consumer: str, min_idle: int, ids: list[str]) -> list[Any]:
+    batch_id, _ = keys.parse_jobs_key(stream)
+    return list(s.run(CLAIM, [keys.meta(batch_id), stream], [keys.GROUP, consumer, min_idle, *ids]))
+
+
 # Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
 # A worker whose heartbeat lapsed may have lost its jobs to another; it must not touch them then.
 _OWNED = """

@@ -43,6 +43,7 @@ def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Ba
                  usage=ResultUsage(**{k: int(meta.get(k) or 0) for k in ResultUsage.model_fields}),
                  completion_window=meta.get("completion_window") or "24h",
                  output_expires_after=float(meta["output_expires_after"]) if meta.get("output_expires_after") else None,
+                 paused_at=float(meta["paused_at"]) if meta.get("paused_at") else None,
                  **times)
 
 

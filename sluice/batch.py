@@ -12,6 +12,7 @@ import redis
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
 from sluice.jobs.datasets import RowError, RowSpec, Source, WriteSummary
 from sluice.jobs.datasets.queue import join_results, submit_rows
+from sluice.jobs.pause import pause_batch, resume_batch
 from sluice.jobs.schemas import Batch as BatchStatus
 from sluice.jobs.store import cancel_batch, get_batch, output_lines
 
@@ -70,6 +71,16 @@ class Batch:
 
     def cancel(self) -> BatchStatus:
         cancel_batch(self.r, self.id)
+        return self.status()
+
+    def pause(self, now: bool = False) -> BatchStatus:
+        """No new row of it goes to a worker until ``resume()``; running ones finish (``now``: they go back
+        to the queue, not counted as an attempt)."""
+        pause_batch(self.r, self.id, now)
+        return self.status()
+
+    def resume(self) -> BatchStatus:
+        resume_batch(self.r, self.id)
         return self.status()
 
     def write(self, output: str, *, timeout: float | None = None, progress: bool = True,
