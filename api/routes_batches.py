@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sluice.api.errors import ApiError, not_found
 from sluice.api.filestore import error_file_id, output_file_id
+from sluice.api.idempotency import IdempotencyKey, fingerprint, once
 from sluice.api.state import Redis, State
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
@@ -72,7 +73,18 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 
 @router.post("/v1/batches", summary="Create a batch from an uploaded file")
-def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
+def create_batch(body: BatchCreate, state: State, r: Redis, response: Response,
+                 idempotency_key: IdempotencyKey = None) -> dict[str, Any]:
+    return once(r, "batches", idempotency_key, lambda: fingerprint(body.model_dump(mode="json")),
+                lambda: _create(body, state, r), lambda bid: _current(r, bid), response)
+
+
+def _current(r: Redis, batch_id: str) -> dict[str, Any] | None:
+    batch = get_batch(r, batch_id)
+    return None if batch is None else batch_object(batch)
+
+
+def _create(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
     f = state.files.get_upload(body.input_file_id)
     if f is None:
         raise not_found("file", body.input_file_id)

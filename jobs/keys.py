@@ -209,3 +209,8 @@ def housekeeping_lock() -> str:
 def stream_score(priority: int, created_at: float) -> float:
     """Higher priority first, then older batches first."""
     return -priority * 1e10 + created_at
+
+
+def idempotency(scope: str, key: str) -> str:
+    """String with a TTL: what a request with this ``Idempotency-Key`` header made (api/idempotency.py)."""
+    return f"{PREFIX}:idempotency:{scope}:{key}"
