@@ -24,6 +24,7 @@ from sluice.api.routes_control import router as control_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
 from sluice.api.validation import max_line_bytes
+from sluice.api.webhooks import deliver_forever
 from sluice.jobs.connection import is_cluster
 from sluice.jobs.settings import load
 from sluice.jobs.store import list_workers
@@ -38,8 +39,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(_sweep_files(state))
+        hooks = asyncio.create_task(deliver_forever(state))  # batch events to webhooks (api/webhooks.py)
         yield
         sweeper.cancel()
+        hooks.cancel()
         state.close()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan,

@@ -12,6 +12,7 @@ from sluice.api.errors import ApiError, not_found
 from sluice.api.filestore import error_file_id, output_file_id
 from sluice.api.idempotency import IdempotencyKey, fingerprint, once
 from sluice.api.state import Redis, State
+from sluice.api.webhooks import check_batch_webhook
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
@@ -26,6 +27,7 @@ from sluice.jobs.store import (
 )
 from sluice.jobs.submit import UnknownModel, resolve_model, submit
 from sluice.jobs.units import parse_duration
+from sluice.jobs.webhooks import WEBHOOK_METADATA_KEY
 
 router = APIRouter(tags=["batches"])
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
@@ -67,7 +69,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         if len(k) > 64 or len(v) > 512:
             raise ApiError(400, "metadata keys are at most 64 characters and values at most 512",
                            code="invalid_metadata", param="metadata")
-        if k.lower().startswith(RESERVED_METADATA_PREFIX):
+        if k.lower().startswith(RESERVED_METADATA_PREFIX) and k != WEBHOOK_METADATA_KEY:
             raise ApiError(400, f"metadata key {k!r} is reserved (keys starting {RESERVED_METADATA_PREFIX!r} are "
                            "sluice's own)", code="invalid_metadata", param="metadata")
 
@@ -98,6 +100,7 @@ def _create(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
                        code="endpoint_mismatch", param="endpoint")
     window = window_seconds(body.completion_window)
     _check_metadata(body.metadata)
+    check_batch_webhook(body.metadata, state.settings)
     try:
         queue = resolve_model(r, f.info.get("model"))
     except UnknownModel as e:

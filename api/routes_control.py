@@ -1,4 +1,5 @@
-"""Steering a batch: pause and resume (jobs/pause.py)."""
+"""Steering a batch: pause and resume (jobs/pause.py); the batch events sent to webhooks, with their deliveries
+(jobs/webhooks.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from sluice.api.errors import ApiError, not_found
 from sluice.api.routes_batches import batch_object
 from sluice.api.state import Redis
 from sluice.jobs.pause import NotPausable, pause_batch, resume_batch
+from sluice.jobs.store import get_batch
+from sluice.jobs.webhooks import batch_events, recent_events
 
 router = APIRouter(tags=["batches"])
 
@@ -33,3 +36,17 @@ def resume(batch_id: str, r: Redis) -> dict[str, Any]:
     if batch is None:
         raise not_found("batch", batch_id)
     return batch_object(batch)
+
+
+@router.get("/v1/events", tags=["events"], summary="Batch events (batch.completed, ...) with their webhook deliveries")
+def list_events(r: Redis, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict[str, Any]:
+    """The events of the most recently finished batches, newest first: OpenAI's event objects, each with a
+    ``delivery`` (state pending|delivered|failed|no_url|refused, attempts, url, last_error, times)."""
+    return {"object": "list", "data": [e.to_dict() for e in recent_events(r, limit)]}
+
+
+@router.get("/v1/batches/{batch_id}/events", tags=["events"], summary="A batch's events and their webhook deliveries")
+def list_batch_events(batch_id: str, r: Redis) -> dict[str, Any]:
+    if get_batch(r, batch_id, max_errors=0) is None:
+        raise not_found("batch", batch_id)
+    return {"object": "list", "data": [e.to_dict() for e in batch_events(r, batch_id)]}

@@ -30,6 +30,11 @@ class AppState:
                 self._redis = connect(self.settings.redis_url)
             return self._redis
 
+    @property
+    def connected(self) -> bool:
+        """Whether a request has reached the job server yet (background tasks wait for that)."""
+        return self._redis is not None
+
     def close(self) -> None:
         with self._lock:
             if self._redis is not None:
