@@ -18,6 +18,7 @@ from sluice.jobs.scripts import Scripts, take_due
 WEBHOOK_METADATA_KEY = "sluice_webhook_url"  # the batch's own webhook URL, in its metadata
 PENDING, DELIVERED, FAILED, NO_URL, REFUSED = "pending", "delivered", "failed", "no_url", "refused"
 SETTLED = (DELIVERED, FAILED, NO_URL, REFUSED)  # no further attempt
+SCAN_PAGE, RECENT_SCAN = 100, 10_000  # finished batches read per round trip, and at most, for recent_events
 
 
 @dataclass
@@ -65,11 +66,18 @@ def batch_events(r: redis.Redis, batch_id: str) -> list[Event]:
 
 
 def recent_events(r: redis.Redis, limit: int = 20) -> list[Event]:
-    """The events of the most recently finished batches, newest first."""
+    """Up to ``limit`` events of the most recently finished batches, newest first (online requests, which
+    have none, are passed over: at most RECENT_SCAN finished batches are looked at)."""
     out: list[Event] = []
-    for bid in r.zrevrange(keys.finished_batches(), 0, limit - 1):
-        out += reversed(batch_events(r, bid))
-    return out[:limit]
+    for start in range(0, RECENT_SCAN, SCAN_PAGE):
+        page = r.zrevrange(keys.finished_batches(), start, start + SCAN_PAGE - 1)
+        for bid in page:
+            out += reversed(batch_events(r, bid))
+            if len(out) >= limit:
+                return out[:limit]
+        if len(page) < SCAN_PAGE:
+            break
+    return out
 
 
 def webhook_url(r: redis.Redis, batch_id: str) -> tuple[bool, str | None]:
