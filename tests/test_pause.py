@@ -191,3 +191,18 @@ def test_only_an_open_batch_pauses(live: Live) -> None:
         assert http.post("/v1/batches/batch_nope/resume").status_code == 404
     out = run_sluice("pause", a.id)
     assert out.returncode == 1 and "only a validating or in-progress batch" in out.stderr, out.stderr
+
+
+def test_python_api_pauses_and_resumes(live: Live) -> None:
+    import pandas as pd
+
+    import sluice
+
+    batch = sluice.submit(pd.DataFrame({"prompt": ["a", "b", "c"]}), model="nobody-serves-this", r=live.r,
+                          max_tokens=2)
+    assert batch.pause(now=True).paused_at is not None
+    assert live.r.zscore(keys.ready_streams("nobody-serves-this"), keys.jobs(batch.id, 0)) is None
+    resumed = batch.resume()
+    assert resumed.paused_at is None and resumed.status == "in_progress"
+    assert live.r.zscore(keys.ready_streams("nobody-serves-this"), keys.jobs(batch.id, 0)) is not None
+    batch.cancel()
