@@ -28,9 +28,11 @@ from sluice.api import (
 )
 from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
+from sluice.api.routes_control import router as control_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
 from sluice.api.validation import max_line_bytes
+from sluice.api.webhooks import deliver_forever
 from sluice.jobs.connection import is_cluster
 from sluice.jobs.settings import load
 from sluice.jobs.store import list_workers
@@ -45,8 +47,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(_sweep_files(state))
+        hooks = asyncio.create_task(deliver_forever(state))  # batch events to webhooks (api/webhooks.py)
         yield
         sweeper.cancel()
+        hooks.cancel()
         state.close()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan,
@@ -55,7 +59,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sluice = state
     errors.install(app)
     auth = [Depends(require_key)]
-    for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router):
+    for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router,
+              control_router):
         app.include_router(r, dependencies=auth)
     app.include_router(routes_retry.router, dependencies=auth)  # dead letters, requeue, retry (issue 43)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key

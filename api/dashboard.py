@@ -188,7 +188,7 @@ def batch_row(b: Batch, now: float) -> dict[str, Any]:
             "completed": c.completed, "errors": c.done - c.completed, "invalid": c.invalid,
             "percent": 100.0 * c.done / c.total if c.total else (100.0 if b.is_final else 0.0),
             "created": stamp(b.created_at), "created_ago": duration(max(0.0, now - b.created_at)),
-            "finished": stamp(ended) if b.is_final and ended else None}
+            "finished": stamp(ended) if b.is_final and ended else None, "paused": b.paused_at is not None}
 
 
 def worker_row(w: dict[str, Any], now: float) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sluice.api.errors import ApiError, not_found
 from sluice.api.filestore import error_file_id, output_file_id
+from sluice.api.idempotency import IdempotencyKey, fingerprint, once
 from sluice.api.state import Redis, State
+from sluice.api.webhooks import check_batch_webhook
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
@@ -26,6 +28,7 @@ from sluice.jobs.store import (
 )
 from sluice.jobs.submit import UnknownModel, resolve_model, submit
 from sluice.jobs.units import parse_duration
+from sluice.jobs.webhooks import WEBHOOK_METADATA_KEY
 
 router = APIRouter(tags=["batches"])
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
@@ -69,7 +72,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                            code="invalid_metadata", param="metadata")
         if k == MAX_DELIVERIES_KEY:  # the one sluice_* key a client sets: checked, then the batch's jobs carry it
             _check_max_deliveries(v)
-        elif k.lower().startswith(RESERVED_METADATA_PREFIX):
+        elif k.lower().startswith(RESERVED_METADATA_PREFIX) and k != WEBHOOK_METADATA_KEY:
             raise ApiError(400, f"metadata key {k!r} is reserved (keys starting {RESERVED_METADATA_PREFIX!r} are "
                            "sluice's own)", code="invalid_metadata", param="metadata")
 
@@ -82,7 +85,18 @@ def _check_max_deliveries(value: str) -> None:
 
 
 @router.post("/v1/batches", summary="Create a batch from an uploaded file")
-def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
+def create_batch(body: BatchCreate, state: State, r: Redis, response: Response,
+                 idempotency_key: IdempotencyKey = None) -> dict[str, Any]:
+    return once(r, "batches", idempotency_key, lambda: fingerprint(body.model_dump(mode="json")),
+                lambda: _create(body, state, r), lambda bid: _current(r, bid), response)
+
+
+def _current(r: Redis, batch_id: str) -> dict[str, Any] | None:
+    batch = get_batch(r, batch_id)
+    return None if batch is None else batch_object(batch)
+
+
+def _create(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
     f = state.files.get_upload(body.input_file_id)
     if f is None:
         raise not_found("file", body.input_file_id)
@@ -96,6 +110,7 @@ def create_batch(body: BatchCreate, state: State, r: Redis) -> dict[str, Any]:
                        code="endpoint_mismatch", param="endpoint")
     window = window_seconds(body.completion_window)
     _check_metadata(body.metadata)
+    check_batch_webhook(body.metadata, state.settings)
     try:
         queue = resolve_model(r, f.info.get("model"))
     except UnknownModel as e:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+import redis
+from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 from sluice.api.errors import ApiError, not_found
 from sluice.api.filestore import ERRORS_PREFIX, OUTPUT_PREFIX, UPLOAD_TTL, DiskFull, TooLarge
+from sluice.api.idempotency import IdempotencyKey, fingerprint, once
 from sluice.api.state import Redis, State
 from sluice.api.validation import bounded_lines, max_line_bytes, scan_lines
 from starlette.concurrency import run_in_threadpool
@@ -18,6 +22,7 @@ JSONL = "application/jsonl"
 
 @router.post("/v1/files", summary="Upload a batch input file (JSONL, purpose=batch)")
 async def upload_file(state: State, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                      response: Response, idempotency_key: IdempotencyKey = None,
                       anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
                       seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None) -> dict[str, Any]:
     if purpose != "batch":
@@ -27,17 +32,45 @@ async def upload_file(state: State, file: Annotated[UploadFile, File()], purpose
         raise ApiError(400, "expires_after needs anchor 'created_at' and seconds between 3600 and 2592000",
                        code="invalid_expires_after", param="expires_after")
     # Copying and checking every line is blocking work: off the event loop.
-    return await run_in_threadpool(_store_upload, state, file, purpose, seconds or UPLOAD_TTL)
+    return await run_in_threadpool(_store_upload, state, file, purpose, seconds or UPLOAD_TTL, idempotency_key,
+                                   response)
 
 
-def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> dict[str, Any]:
-    s = state.settings
+def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float, key: str | None,
+                  response: Response) -> dict[str, Any]:
     try:
-        tmp = state.files.receive(file.file, s.max_upload_bytes)
+        tmp = state.files.receive(file.file, state.settings.max_upload_bytes)
     except TooLarge as e:
         raise ApiError(413, str(e), code="file_too_large", param="file") from None
     except DiskFull as e:
         raise _insufficient_storage(e) from None
+    if key is None:
+        return _keep_upload(state, tmp, file.filename, purpose, ttl)
+    r = state.redis()
+    try:
+        return once(r, "files", key, lambda: fingerprint(purpose, ttl, file.filename, _sha256(tmp)),
+                    lambda: _keep_upload(state, tmp, file.filename, purpose, ttl), lambda fid: _current(state, r, fid),
+                    response, lambda: tmp.unlink(missing_ok=True))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _current(state: State, r: redis.Redis, file_id: str) -> dict[str, Any] | None:
+    f = state.files.get(r, file_id)
+    return None if f is None else f.public()
+
+
+def _keep_upload(state: State, tmp: Path, filename: str | None, purpose: str, ttl: float) -> dict[str, Any]:
+    s = state.settings
     try:
         with tmp.open("rb") as src:
             scan = scan_lines(bounded_lines(src, max_line_bytes(s.max_prompt_chars)), s.max_batch_lines,
@@ -48,7 +81,7 @@ def _store_upload(state: State, file: UploadFile, purpose: str, ttl: float) -> d
     info = {"lines": scan.lines, "model": scan.model, "endpoint": scan.endpoint,
             "bad_lines": [e.model_dump() for e in scan.errors]}
     try:
-        return state.files.add(tmp, file.filename or "input.jsonl", purpose, info, ttl).public()
+        return state.files.add(tmp, filename or "input.jsonl", purpose, info, ttl).public()
     except DiskFull as e:
         raise _insufficient_storage(e) from None
 

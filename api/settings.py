@@ -26,6 +26,18 @@ class Settings(JobPlaneSettings):
     """SLUICE_INTERACTIVE_TIMEOUT: seconds such a request waits for its answer; then 504, its job cancelled."""
     interactive_max_waiting: int = 4096
     """SLUICE_INTERACTIVE_MAX_WAITING: such requests waiting per model at most (over all API replicas); past it, 429."""
+    webhook_url: str | None = None
+    """SLUICE_WEBHOOK_URL: where batch events (batch.completed, ...) are POSTed for batches that name no URL of
+    their own (none: only batches that name one get them)."""
+    webhook_secret: str | None = None
+    """SLUICE_WEBHOOK_SECRET: the key that signs them (Standard Webhooks' ``whsec_<base64>``, or any string)."""
+    webhook_allowed_urls: str = ""
+    """SLUICE_WEBHOOK_ALLOWED_URLS: comma-separated URL prefixes a batch may name as its webhook (metadata
+    ``sluice_webhook_url``); empty: none (SLUICE_WEBHOOK_URL is always allowed)."""
+    webhook_retry_after: float = 5.0
+    """SLUICE_WEBHOOK_RETRY_AFTER: seconds before a failed delivery is retried, doubling each time (at most an hour)."""
+    webhook_max_attempts: int = 15
+    """SLUICE_WEBHOOK_MAX_ATTEMPTS: deliveries of one event tried at most (then recorded as failed)."""
 
     @field_validator("max_upload_bytes", mode="before")
     @classmethod
@@ -39,14 +51,22 @@ class Settings(JobPlaneSettings):
             raise ValueError(f"must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
         return v
 
-    @field_validator("interactive_timeout")
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+    @field_validator("interactive_timeout", "webhook_retry_after")
     @classmethod
     def _seconds(cls, v: float) -> float:
         if not v > 0:
             raise ValueError("must be more than 0 seconds")
         return v
 
-    @field_validator("max_upload_bytes", "max_batch_lines", "max_prompt_chars", "interactive_max_waiting")
+    @field_validator("max_upload_bytes", "max_batch_lines", "max_prompt_chars", "interactive_max_waiting",
+                     "webhook_max_attempts")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

@@ -43,6 +43,11 @@ class AppState:
         recorded = recorded_url()
         return recorded is not None and recorded != self._url
 
+    @property
+    def connected(self) -> bool:
+        """Whether a request has reached the job server yet (background tasks wait for that)."""
+        return self._redis is not None
+
     def close(self) -> None:
         with self._lock:
             if self._redis is not None:

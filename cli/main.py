@@ -27,6 +27,7 @@ from typing import Any
 
 import click
 from sluice.cli.common import EXIT_SOME_FAILED, EXIT_USER_ERROR, UserError, need_engine, one_line  # noqa: F401 - re-exported
+from sluice.cli.control_cmds import events_cmd, pause_cmd, resume_cmd
 from sluice.cli.datasets import (
     InputArg,
     RowFlags,
@@ -155,7 +156,7 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
 
 
 for command in (submit_cmd, status_cmd, results_cmd, cancel_cmd, batches_cmd, worker_cmd, serve_cmd, up_cmd,
-                server_cmd, *job_control_cmds):
+                server_cmd, *job_control_cmds, pause_cmd, resume_cmd, events_cmd):
     cli.add_command(command)
 
 

@@ -20,7 +20,8 @@ def when(ts: float | None, now: float) -> str:
 def status_text(batch: Batch, r: Rates, now: float | None = None) -> str:
     now = now if now is not None else time.time()
     c = batch.counts
-    lines = [f"{batch.id}  {batch.status}  model {batch.model}",
+    paused = f"  paused since {when(batch.paused_at, now)}" if batch.paused_at is not None else ""
+    lines = [f"{batch.id}  {batch.status}{paused}  model {batch.model}",
              f"requests: {c.done}/{c.total} done ({c.completed} completed, {c.failed} failed, {c.cancelled} "
              f"cancelled, {c.expired} expired)" + (f"; {c.invalid} bad input lines" if c.invalid else "")]
     speed = []

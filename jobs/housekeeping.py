@@ -76,7 +76,9 @@ def _open_batch(r: redis.Redis, s: Scripts, bid: str, now: float, rep: Housekeep
         rep.expired_batches += expire_batch(r, bid, now)
     else:
         rep.expired_jobs += expire_due_jobs(r, s, bid, now)
-        model, created = r.hmget(keys.meta(bid), "model", "created_at")
+        model, created, paused = r.hmget(keys.meta(bid), "model", "created_at", "paused_at")
+        if paused:
+            return  # its streams go back when it is resumed (jobs/pause.py)
         restore_ready(r, keys.queue_name(model), bid, priorities(r, bid), float(created or 0))
 
 

@@ -143,10 +143,22 @@ def deltas(batch_id: str) -> str:
     return _b(batch_id, "deltas")
 
 
+def events(batch_id: str) -> str:
+    """Stream of the batch's events (fields: t = type such as batch.completed, at = time), each written by the
+    script of its transition (jobs/scripts.py), for the webhook deliverer (jobs/webhooks.py)."""
+    return _b(batch_id, "events")
+
+
+def webhook_deliveries(batch_id: str) -> str:
+    """Hash: events stream entry id -> its webhook delivery (JSON: state, attempts, last error, ...)."""
+    return _b(batch_id, "webhook")
+
+
 def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
-            sick_episodes(batch_id), inputs(batch_id), spill_chunks(batch_id), spill_lock(batch_id), *(jobs(batch_id, p) for p in priorities)]
+            sick_episodes(batch_id), inputs(batch_id), spill_chunks(batch_id), spill_lock(batch_id), events(batch_id),
+            webhook_deliveries(batch_id), *(jobs(batch_id, p) for p in priorities)]
 
 
 def parse_jobs_key(key: str) -> tuple[str, int]:
@@ -208,6 +220,11 @@ def completions() -> str:
     return f"{PREFIX}:celery:completions"
 
 
+def webhooks_due() -> str:
+    """Sorted set: finished batches whose events may wait for a webhook delivery, by when to try next."""
+    return f"{PREFIX}:webhooks:due"
+
+
 def housekeeping_lock() -> str:
     return f"{PREFIX}:lock:housekeeping"
 
@@ -215,3 +232,8 @@ def housekeeping_lock() -> str:
 def stream_score(priority: int, created_at: float) -> float:
     """Higher priority first, then older batches first."""
     return -priority * 1e10 + created_at
+
+
+def idempotency(scope: str, key: str) -> str:
+    """String with a TTL: what a request with this ``Idempotency-Key`` header made (api/idempotency.py)."""
+    return f"{PREFIX}:idempotency:{scope}:{key}"

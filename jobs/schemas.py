@@ -307,6 +307,7 @@ class Batch(BaseModel):
     usage: ResultUsage = Field(default_factory=ResultUsage)  # summed over completed jobs
     completion_window: str = "24h"  # as submitted
     output_expires_after: float | None = None  # seconds the output and error files live after creation
+    paused_at: float | None = None  # set while paused (jobs/pause.py): no new job of it is handed out
 
     @property
     def is_final(self) -> bool:
@@ -327,6 +328,8 @@ class Batch(BaseModel):
             "request_counts": {"total": c.total, "completed": c.completed,
                                "failed": c.failed + c.cancelled + c.expired},
             "metadata": self.metadata or None,
+            # Sluice's own (OpenAI has no paused status, so ``status`` stays one of OpenAI's).
+            "paused": self.paused_at is not None, "paused_at": _int_or_none(self.paused_at),
             "usage": {"input_tokens": self.usage.prompt_tokens,
                       "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
                       "output_tokens": self.usage.completion_tokens,

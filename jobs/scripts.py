@@ -30,9 +30,19 @@ class Scripts:
         return script(keys=ks, args=args, client=client)
 
 
+# A batch's terminal transition, recorded in the same script as its event (batch.completed, ...) for the
+# webhook deliverer (jobs/webhooks.py); only batches submitted as batches (meta ``events``), not online requests.
+_EVENT = """
+local function batch_event(meta, events, status, now)
+  if redis.call('HGET', meta, 'events') == '1' then
+    redis.call('XADD', events, '*', 't', 'batch.' .. status, 'at', now)
+  end
+end
+"""
+
 # Moves a batch to its final state once every job has an outcome; shared by the scripts below.
-_FINISH = """
-local function finish_if_done(meta, now)
+_FINISH = _EVENT + """
+local function finish_if_done(meta, events, now)
   local m = redis.call('HMGET', meta, 'status', 'total', 'completed', 'failed', 'cancelled', 'expired', 'sealed')
   local total = tonumber(m[2]) or 0
   local n = (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0) + (tonumber(m[5]) or 0) + (tonumber(m[6]) or 0)
@@ -40,9 +50,11 @@ local function finish_if_done(meta, now)
   if m[7] ~= '1' or total == 0 or n < total then return '' end
   if m[1] == 'in_progress' then
     redis.call('HSET', meta, 'status', 'completed', 'finalizing_at', now, 'completed_at', now)
+    batch_event(meta, events, 'completed', now)
     return 'completed'
   elseif m[1] == 'cancelling' then
     redis.call('HSET', meta, 'status', 'cancelled', 'cancelled_at', now)
+    batch_event(meta, events, 'cancelled', now)
     return 'cancelled'
   elseif m[1] == 'expired' then
     return 'expired'
@@ -51,7 +63,7 @@ local function finish_if_done(meta, now)
 end
 """
 
-# KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead, inputs
+# KEYS: meta, done, results, jobs stream (or meta when nothing to ack), dead, inputs, events
 # ARGV: idx, status, Result JSON (the usage decoded from it), stream entry id to ack ('' for none),
 #       DeadLetter JSON ('' for none), now, group
 # -> {1 if this write gave the job its outcome else 0, final batch status reached or ''}
@@ -86,7 +98,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[1]
     end
   end
   fresh = 1
-  fin = finish_if_done(KEYS[1], ARGV[6])
+  fin = finish_if_done(KEYS[1], KEYS[7], ARGV[6])
 end
 if ARGV[4] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[7], ARGV[4])
@@ -101,7 +113,7 @@ def record(s: Scripts, batch_id: str, idx: int, status: str, result_json: str, s
     """The atomic write of one outcome (``stream``/``entry_id`` "" for no entry to acknowledge); its
     reply, on ``client`` (a pipeline) or at once, is ``[fresh, final status or '']``."""
     ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), stream or keys.meta(batch_id),
-          keys.dead(batch_id), keys.inputs(batch_id)]
+          keys.dead(batch_id), keys.inputs(batch_id), keys.events(batch_id)]
     return s.run(RECORD, ks, [idx, status, result_json, entry_id, dead_json, now, keys.GROUP], client)
 
 # The outcome of a job that has none yet (cancel, expiry), as Python built it: no worker holds its Result.
@@ -129,7 +141,7 @@ def _bare_results(s: Scripts, batch_id: str, idxs: list[int], status: str, code:
 
 
 # Gives every listed job that has no outcome yet the outcome ARGV[1] (cancelled | expired).
-# KEYS: meta, done, results
+# KEYS: meta, done, results, events
 # ARGV: status, now, (idx, Result JSON)...
 # -> {number of outcomes written, final batch status reached or ''}
 SWEEP = _FINISH + _OUTCOME + """
@@ -137,14 +149,14 @@ local written = 0
 for i = 3, #ARGV, 2 do
   written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], ARGV[i], ARGV[1], ARGV[i + 1], ARGV[2])
 end
-return {written, finish_if_done(KEYS[1], ARGV[2])}
+return {written, finish_if_done(KEYS[1], KEYS[4], ARGV[2])}
 """
 
 
 def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, message: str, now: float,
           client: Any = None) -> tuple[int, str]:
     """Outcome ``status`` for each job of ``idxs`` that has none; (written, final status or '')."""
-    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id)]
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.events(batch_id)]
     args = [status, now, *_bare_results(s, batch_id, idxs, status, code, message, now)]
     written, fin = s.run(SWEEP, ks, args, client)
     return int(written), fin or ""
@@ -152,7 +164,7 @@ def sweep(s: Scripts, batch_id: str, idxs: list[int], status: str, code: str, me
 # Expires jobs whose deadline passed before any worker started them. A worker starting a job takes
 # it out of ``deadlines`` first (ZREM), so a job is either started or expired, never both: a job
 # listed here is expired only if this ZREM is the one that takes it out.
-# KEYS: meta, done, results, deadlines
+# KEYS: meta, done, results, deadlines, events
 # ARGV: now, (idx, Result JSON)... -> {number expired, final batch status or ''}
 EXPIRE_DUE = _FINISH + _OUTCOME + """
 local written = 0
@@ -161,18 +173,51 @@ for i = 2, #ARGV, 2 do
     written = written + bare_outcome(KEYS[1], KEYS[2], KEYS[3], ARGV[i], 'expired', ARGV[i + 1], ARGV[1])
   end
 end
-return {written, finish_if_done(KEYS[1], ARGV[1])}
+return {written, finish_if_done(KEYS[1], KEYS[5], ARGV[1])}
 """
 
 
 def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, str, int]:
     """Expire up to ``limit`` jobs of the batch whose deadline passed; (expired, final status or '', due)."""
     due = [int(i) for i in s.r.zrangebyscore(keys.deadlines(batch_id), "-inf", now, start=0, num=limit)]
-    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.deadlines(batch_id)]
+    ks = [keys.meta(batch_id), keys.done(batch_id), keys.results(batch_id), keys.deadlines(batch_id),
+          keys.events(batch_id)]
     results = _bare_results(s, batch_id, due, "expired", "deadline_exceeded",
                             "the deadline passed before the job started", now)
     written, fin = s.run(EXPIRE_DUE, ks, [now, *results])
     return int(written), fin or "", len(due)
+
+# Hands out up to ARGV[3] new jobs of one stream unless its batch is paused (meta ``paused_at``): the check
+# and the read in one script, so no job is handed out once a pause is recorded (jobs/pause.py).
+# KEYS: meta, stream; ARGV: group, consumer, count -> {0} if paused, else {1, entries} (XREADGROUP's)
+PULL = """
+if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {0} end
+local ok, got = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[2], '>')
+if not ok or not got then return {1, {}} end  -- NOGROUP: the batch was deleted since the list was read
+return {1, got[1][2]}
+"""
+
+
+def pull(s: Scripts, stream: str, consumer: str, n: int) -> list[Any] | None:
+    """New entries of ``stream`` for ``consumer`` (at most ``n``), [id, [field, value, ...]] each; None if its
+    batch is paused."""
+    batch_id, _ = keys.parse_jobs_key(stream)
+    got = s.run(PULL, [keys.meta(batch_id), stream], [keys.GROUP, consumer, n])
+    return None if int(got[0]) == 0 else list(got[1])
+
+
+# Claims pending entries (XCLAIM with a minimum idle time) unless their batch is paused, atomically as PULL.
+# KEYS: meta, stream; ARGV: group, consumer, min idle ms, entry id... -> XCLAIM's entries ({} if paused)
+CLAIM = """
+if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {} end
+return redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], ARGV[3], unpack(ARGV, 4))
+"""
+
+
+def claim(s: Scripts, stream: str, consumer: str, min_idle: int, ids: list[str]) -> list[Any]:
+    batch_id, _ = keys.parse_jobs_key(stream)
+    return list(s.run(CLAIM, [keys.meta(batch_id), stream], [keys.GROUP, consumer, min_idle, *ids]))
+
 
 # Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
 # A worker whose heartbeat lapsed may have lost its jobs to another; it must not touch them then.
@@ -210,21 +255,24 @@ return 1
 def bump(s: Scripts, stream: str, entry_id: str, consumer: str) -> bool:
     return bool(s.run(BUMP, [stream], [entry_id, keys.GROUP, consumer]))
 
-# KEYS: meta; ARGV: now -> final batch status reached or ''
-FINISH = _FINISH + "return finish_if_done(KEYS[1], ARGV[1])"
+# KEYS: meta, events; ARGV: now -> final batch status reached or ''
+FINISH = _FINISH + "return finish_if_done(KEYS[1], KEYS[2], ARGV[1])"
 
 
 def finish(s: Scripts, batch_id: str, now: float) -> str:
-    return s.run(FINISH, [keys.meta(batch_id)], [now]) or ""
+    return s.run(FINISH, [keys.meta(batch_id), keys.events(batch_id)], [now]) or ""
 
-# Moves a batch from one of the listed states to a new one, stamping a time field.
-# KEYS: meta; ARGV: new status, time field, now, allowed old status... -> the old status
-TRANSITION = """
+# Moves a batch from one of the listed states to a new one, stamping a time field (with its event if final).
+# KEYS: meta, events; ARGV: new status, time field, now, allowed old status... -> the old status
+TRANSITION = _EVENT + """
 local old = redis.call('HGET', KEYS[1], 'status')
 if not old then return false end
 for i = 4, #ARGV do
   if old == ARGV[i] then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
+    if ARGV[1] == 'completed' or ARGV[1] == 'failed' or ARGV[1] == 'expired' or ARGV[1] == 'cancelled' then
+      batch_event(KEYS[1], KEYS[2], ARGV[1], ARGV[3])
+    end
     return old
   end
 end
@@ -235,7 +283,7 @@ return old
 def transition(s: Scripts, batch_id: str, new: str, time_field: str, now: float, allowed: tuple[str, ...],
                client: Any = None) -> str | None:
     """Set status ``new`` if the batch is in one of ``allowed``; returns the old status (None: no batch)."""
-    return s.run(TRANSITION, [keys.meta(batch_id)], [new, time_field, now, *allowed], client)
+    return s.run(TRANSITION, [keys.meta(batch_id), keys.events(batch_id)], [new, time_field, now, *allowed], client)
 
 
 # Appends a chunk of jobs to one job stream with their custom_id <-> idx maps, atomically, so the
@@ -360,3 +408,18 @@ def reopen(s: Scripts, batch_id: str, stream: str, jobs: list[tuple[int, str, st
           stream]
     n, status = s.run(REOPEN, ks, [now, keys.GROUP, *(x for job in jobs for x in job)])
     return int(n), status or ""
+
+
+# Takes up to ARGV[3] batches whose webhook delivery is due, leasing each (its score moved to ARGV[2]) so
+# that of several API processes one delivers it. KEYS: webhooks_due; ARGV: now, lease end, count -> batch ids
+TAKE_DUE = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+for _, bid in ipairs(due) do
+  redis.call('ZADD', KEYS[1], 'XX', ARGV[2], bid)
+end
+return due
+"""
+
+
+def take_due(s: Scripts, now: float, lease_until: float, count: int) -> list[str]:
+    return list(s.run(TAKE_DUE, [keys.webhooks_due()], [now, lease_until, count]))

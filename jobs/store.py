@@ -43,6 +43,7 @@ def batch_from_meta(meta: dict[str, str], errors: list[str] | None = None) -> Ba
                  usage=ResultUsage(**{k: int(meta.get(k) or 0) for k in ResultUsage.model_fields}),
                  completion_window=meta.get("completion_window") or "24h",
                  output_expires_after=float(meta["output_expires_after"]) if meta.get("output_expires_after") else None,
+                 paused_at=float(meta["paused_at"]) if meta.get("paused_at") else None,
                  **times)
 
 
@@ -117,13 +118,15 @@ def retire_batch(r: redis.Redis, batch_id: str, now: float | None = None) -> Non
     """After a batch reached a final state: out of the open set and its streams off the queue.
     Idempotent; housekeeping repeats it for a process that died between the two."""
     now = now if now is not None else time.time()
-    model, on_complete = r.hmget(keys.meta(batch_id), "model", "on_complete")
+    model, on_complete, events = r.hmget(keys.meta(batch_id), "model", "on_complete", "events")
     if model is None:  # deleted meanwhile (a Celery generate drops its batch once read): nothing to index
         r.zrem(keys.open_batches(), batch_id)
         return
     if on_complete:  # before leaving the open set: housekeeping retries a retire that died before this
         queue_completion(r, batch_id, now)
     pipe = r.pipeline(transaction=False)
+    if events == "1":  # before leaving the open set, as the completion above: its event waits for a webhook
+        pipe.zadd(keys.webhooks_due(), {batch_id: now}, nx=True)
     pipe.zrem(keys.open_batches(), batch_id)
     pipe.zadd(keys.finished_batches(), {batch_id: now}, nx=True)
     streams = [keys.jobs(batch_id, p) for p in priorities(r, batch_id)]
@@ -154,7 +157,7 @@ def delete_batch(r: redis.Redis, batch_id: str) -> None:
     r.delete(*keys.batch_keys(batch_id, prios))  # one slot: one DEL, also on a cluster
     spill.remove(spill.files_dir(), batch_id)
     pipe = r.pipeline(transaction=False)
-    for idx in (keys.all_batches(), keys.open_batches(), keys.finished_batches()):
+    for idx in (keys.all_batches(), keys.open_batches(), keys.finished_batches(), keys.webhooks_due()):
         pipe.zrem(idx, batch_id)
     if prios:
         pipe.zrem(keys.active_streams(model), *(keys.jobs(batch_id, p) for p in prios))

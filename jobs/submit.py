@@ -135,7 +135,9 @@ class _Submission:
         self.max_deliveries: int | None = None  # the batch's own, from its metadata
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
-               on_complete: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None) -> None:
+               on_complete: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None,
+               events: bool = True) -> None:
+        """``events``: its final transition is recorded as an event for webhooks (not for online requests)."""
         if (metadata or {}).get(MAX_DELIVERIES_KEY) is not None:
             self.max_deliveries = parse_max_deliveries((metadata or {})[MAX_DELIVERIES_KEY])
         fields: dict[str, Any] = {
@@ -143,6 +145,7 @@ class _Submission:
             "created_at": self.now, "expires_at": self.now + window, "metadata": json.dumps(metadata or {}),
             "input": input_name or "", "total": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
             "invalid": 0, "priorities": "", "sealed": 0, "endpoint": self.endpoint or "", "touched_at": self.now,
+            "events": int(events),
         }
         if on_complete is not None:  # with the batch from the start: it may end before submit returns
             fields["on_complete"] = json.dumps(on_complete)
@@ -308,7 +311,7 @@ def submit_job(r: redis.Redis, job: Job, queue: str, *, batch_id: str, priority:
     sub = _Submission(r, batch_id, queue, None, priority, CHUNK)
     sub.endpoint = CHAT_URL if job.kind == "chat" else COMPLETIONS_URL
     with refused_when_full(NOTHING_QUEUED, sub.abandon):
-        sub.create(completion_window, metadata, None)
+        sub.create(completion_window, metadata, None, events=False)
         sub._enqueue(job.model_copy(update={"id": f"{sub.bid}:0", "batch_id": sub.bid, "idx": 0, "priority": priority,
                                             "created_at": sub.now}))
         sub.flush()

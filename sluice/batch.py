@@ -12,6 +12,7 @@ import redis
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
 from sluice.jobs.datasets import RowError, RowSpec, Source, WriteSummary
 from sluice.jobs.datasets.queue import join_results, submit_rows
+from sluice.jobs.pause import pause_batch, resume_batch
 from sluice.jobs.reopen import Reopened, requeue_dead_letters, retry_batch
 from sluice.jobs.schemas import Batch as BatchStatus
 from sluice.jobs.store import cancel_batch, dead_letters, get_batch, output_lines
@@ -91,6 +92,16 @@ class Batch:
         if done is None:
             raise LookupError(f"batch {self.id} is gone from the job server (deleted or expired)")
         return done.batch
+
+    def pause(self, now: bool = False) -> BatchStatus:
+        """No new row of it goes to a worker until ``resume()``; running ones finish (``now``: they go back
+        to the queue, not counted as an attempt)."""
+        pause_batch(self.r, self.id, now)
+        return self.status()
+
+    def resume(self) -> BatchStatus:
+        resume_batch(self.r, self.id)
+        return self.status()
 
     def write(self, output: str, *, timeout: float | None = None, progress: bool = True,
               **writer: Any) -> WriteSummary:

@@ -177,8 +177,8 @@ def _outcomes(mon: Monitor, rid: str) -> tuple[list[str], list[str]]:
     for _, args in mon.commands():
         if args[:2] == ["XADD", keys.results(rid)]:
             given += re.findall(r'\\"status\\":\\"(\w+)\\"', " ".join(args))
-        elif args[:1] == ["EVALSHA"] and args[2:4] == ["5", keys.meta(rid)]:  # scripts.record: 5 keys, meta first
-            settled.append(args[9])  # ARGV[2]: the status
+        elif args[:1] == ["EVALSHA"] and args[2:4] == ["7", keys.meta(rid)]:  # scripts.record: 7 keys, meta first
+            settled.append(args[10])  # ARGV[2]: the status
     return given, settled
 
 

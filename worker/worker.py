@@ -292,9 +292,14 @@ class Worker(Draining):
             for h in hit:
                 self._abort(h)  # frees its KV blocks before the next step
                 self._forget(h)
-                self.session.settle_cancelled(h.d, ev)
+                if ev.status != "paused":
+                    self.session.settle_cancelled(h.d, ev)
+            if ev.status == "paused":  # `sluice pause --now`: back to the queue, not counted as a delivery
+                self.to_release += hit
             if hit:
                 log.info("aborted %d jobs of %s (%s)", len(hit), ev.batch_id, ev.status)
+        if self.to_release and not self.draining and self.session.hand_back([h.d for h in self.to_release]):
+            self.to_release = []  # else retried on the next tick (Redis away) or by the drain
 
     def _close(self) -> None:
         self.session.close()

@@ -88,19 +88,25 @@ def ready(r: redis.Redis, queue: str) -> list[tuple[str, float]]:
     return [(s, float(score)) for s, score in r.zrange(keys.ready_streams(queue), 0, MAX_STREAMS - 1, withscores=True)]
 
 
-def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[str, float]]) -> Pulled:
+def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[str, float]],
+         scripts: Scripts | None = None) -> Pulled:
     """Up to ``n`` jobs never delivered before, best stream first. A stream found drained leaves the
     ready set and is read once more: a job added before that second read is returned (and the stream
-    goes back), one added after it comes with the writer's own ZADD (``mark_ready``)."""
+    goes back), one added after it comes with the writer's own ZADD (``mark_ready``). A paused batch's
+    stream hands out nothing (``scripts.pull`` checks the pause in the read) and leaves the ready set."""
+    s = scripts or Scripts(r)
     out = Pulled([], [])
     for stream, score in streams:
         want = n - len(out.deliveries)
         if want <= 0:
             break
-        entries = _xread(r, consumer, stream, want)
+        entries = _xread(s, consumer, stream, want)
+        if entries is None:
+            _unready_paused(r, queue, stream, score)
+            continue
         if len(entries) < want:
             r.zrem(keys.ready_streams(queue), stream)
-            again = _xread(r, consumer, stream, want - len(entries))
+            again = _xread(s, consumer, stream, want - len(entries)) or []
             if again:
                 r.zadd(keys.ready_streams(queue), {stream: score})
             entries += again
@@ -109,13 +115,24 @@ def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[
     return out
 
 
-def _xread(r: redis.Redis, consumer: str, stream: str, n: int) -> list[tuple[str, dict[str, str]]]:
-    try:
-        got = r.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=n)
-    except redis.ResponseError as e:  # NOGROUP: the batch was deleted since the list was read
-        log.debug("skipping %s: %s", stream, e)
-        return []
-    return list(got[0][1]) if got else []
+def _xread(s: Scripts, consumer: str, stream: str, n: int) -> list[tuple[str, dict[str, str]]] | None:
+    """New entries of ``stream``; None if its batch is paused."""
+    got = script.pull(s, stream, consumer, n)
+    return None if got is None else [(eid, _fields(flat)) for eid, flat in got]
+
+
+def _fields(flat: list[str] | None) -> dict[str, str]:
+    """A stream entry's [field, value, ...] as a script returns it."""
+    flat = flat or []
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _unready_paused(r: redis.Redis, queue: str, stream: str, score: float) -> None:
+    """A paused batch's stream out of the ready set, so readers stop looking at it; back at once if a
+    resume came in between (its own ZADD may have run before our ZREM)."""
+    r.zrem(keys.ready_streams(queue), stream)
+    if not r.hexists(keys.meta(keys.parse_jobs_key(stream)[0]), "paused_at"):
+        r.zadd(keys.ready_streams(queue), {stream: score})
 
 
 def mark_ready(pipe: Any, queue: str, stream: str, score: float) -> None:
@@ -146,10 +163,12 @@ def job_score(job: Job) -> float:
 
 
 # ---- orphans -------------------------------------------------------------------------------------
-def claim(r: redis.Redis, queue: str, consumer: str, n: int, held: set[str]) -> Pulled:
+def claim(r: redis.Redis, queue: str, consumer: str, n: int, held: set[str], scripts: Scripts | None = None) -> Pulled:
     """Up to ``n`` pending jobs of workers whose heartbeat is gone (not merely idle: a long generation
     looks idle), and our own that we do not hold (left from before a restart). Walks every stream of
-    the queue's open batches, not only the ready ones: a drained stream can still have pending jobs."""
+    the queue's open batches, not only the ready ones: a drained stream can still have pending jobs.
+    A paused batch's are left where they are until it is resumed (``scripts.claim`` checks the pause)."""
+    sc = scripts or Scripts(r)
     out = Pulled([], [])
     streams = r.zrange(keys.active_streams(queue), 0, -1)
     if not streams or n <= 0:
@@ -168,7 +187,7 @@ def claim(r: redis.Redis, queue: str, consumer: str, n: int, held: set[str]) -> 
         for c in sm.get("consumers") or []:
             name = c["name"]
             if name == consumer or not alive.get(name, False):
-                _claim_from(r, stream, consumer, name, n - len(out.deliveries), held, out)
+                _claim_from(r, sc, stream, consumer, name, n - len(out.deliveries), held, out)
             if len(out.deliveries) >= n:
                 return out
     return out
@@ -181,7 +200,8 @@ def _alive(r: redis.Redis, names: list[str]) -> list[bool]:
     return [bool(x) for x in pipe.execute()]
 
 
-def _claim_from(r: redis.Redis, stream: str, consumer: str, owner: str, n: int, held: set[str], out: Pulled) -> None:
+def _claim_from(r: redis.Redis, s: Scripts, stream: str, consumer: str, owner: str, n: int, held: set[str],
+                out: Pulled) -> None:
     if n <= 0:
         return
     pending = [p for p in r.xpending_range(stream, keys.GROUP, "-", "+", n + len(held), consumername=owner)
@@ -192,11 +212,11 @@ def _claim_from(r: redis.Redis, stream: str, consumer: str, owner: str, n: int, 
     # in between has a smaller idle time now and is left alone.
     min_idle = min(p["time_since_delivered"] for p in pending)
     counts = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
-    claimed = r.xclaim(stream, keys.GROUP, consumer, min_idle, [p["message_id"] for p in pending])
+    claimed = script.claim(s, stream, consumer, min_idle, [p["message_id"] for p in pending])
     before = len(out.deliveries)
-    for eid, fields in claimed:
-        if fields is not None:
-            _parse(stream, eid, fields, counts[eid], out)
+    for eid, flat in claimed:
+        if flat:  # none: the entry was deleted meanwhile
+            _parse(stream, eid, _fields(flat), counts[eid], out)
     if len(out.deliveries) > before:
         log.info("claimed %d jobs of %s from %s", len(out.deliveries) - before, owner, stream)
 

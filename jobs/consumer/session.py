@@ -181,7 +181,8 @@ class ConsumerSession:
         now = time.monotonic()
         if now >= self._claim_at:
             self._claim_at = now + self.claim_every
-            claimed = commands.claim(self.link.r, self.queue, self.id, n, held | self.outbox.entry_ids())
+            claimed = commands.claim(self.link.r, self.queue, self.id, n, held | self.outbox.entry_ids(),
+                                     self.link.scripts)
             self.stats.claimed += len(claimed.deliveries)
             got = self._unreadable(claimed)
         if len(got) < n:
@@ -195,7 +196,7 @@ class ConsumerSession:
         if now - self._streams_at > STREAMS_REFRESH or not self._streams:
             self._streams = commands.ready(self.link.r, self.queue)
             self._streams_at = now
-        got = commands.read(self.link.r, self.queue, self.id, n, self._streams)
+        got = commands.read(self.link.r, self.queue, self.id, n, self._streams, self.link.scripts)
         if len(got.deliveries) < n:
             self._streams_at = -math.inf
         return got
@@ -234,7 +235,7 @@ class ConsumerSession:
     def take_waiting(self, n: int, seen: set[str]) -> list[Delivery]:
         """Up to ``n`` jobs waiting on the queue, new or pending under dead workers, not in ``seen``
         (their entry ids are added to it), unscreened; not guarded: Redis errors are raised."""
-        got = commands.claim(self.link.r, self.queue, self.id, n, seen)
+        got = commands.claim(self.link.r, self.queue, self.id, n, seen, self.link.scripts)
         self._streams_at = -math.inf  # the ready streams as they are now
         more = self._read(n)
         got.deliveries += more.deliveries
