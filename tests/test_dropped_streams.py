@@ -178,7 +178,7 @@ def _outcomes(mon: Monitor, rid: str) -> tuple[list[str], list[str]]:
         if args[:2] == ["XADD", keys.results(rid)]:
             given += re.findall(r'\\"status\\":\\"(\w+)\\"', " ".join(args))
         elif args[:1] == ["EVALSHA"] and args[2:4] == ["7", keys.meta(rid)]:  # scripts.record: 7 keys, meta first
-            settled.append(args[10])  # ARGV[2]: the status
+            settled.append(args[11])  # ARGV[2]: the status
     return given, settled
 
 
