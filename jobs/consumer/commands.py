@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -89,22 +90,28 @@ def ready(r: redis.Redis, queue: str) -> list[tuple[str, float]]:
 
 
 def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[str, float]],
-         scripts: Scripts | None = None) -> Pulled:
-    """Up to ``n`` jobs never delivered before, best stream first. A stream found drained leaves the
-    ready set and is read once more: a job added before that second read is returned (and the stream
-    goes back), one added after it comes with the writer's own ZADD (``mark_ready``). A paused batch's
-    stream hands out nothing (``scripts.pull`` checks the pause in the read) and leaves the ready set."""
+         scripts: Scripts | None = None, turn: int = 0) -> Pulled:
+    """Up to ``n`` jobs never delivered before: the open batches of the best priority share them (``_shares``),
+    then any stream gives what is left, best first. A stream found drained leaves the ready set and is read
+    once more: a job added before that second read is returned (and the stream goes back), one added after
+    it comes with the writer's own ZADD (``mark_ready``). A paused batch's stream hands out nothing
+    (``scripts.pull`` checks the pause in the read) and leaves the ready set."""
     s = scripts or Scripts(r)
     out = Pulled([], [])
-    for stream, score in streams:
-        want = n - len(out.deliveries)
+    dry: set[str] = set()  # drained or paused in this read
+    for stream, score, cap in _shares(streams, n, turn):
+        want = min(cap, n - len(out.deliveries))
         if want <= 0:
             break
+        if stream in dry:
+            continue
         entries = _xread(s, consumer, stream, want)
         if entries is None:
+            dry.add(stream)
             _unready_paused(r, queue, stream, score)
             continue
         if len(entries) < want:
+            dry.add(stream)
             r.zrem(keys.ready_streams(queue), stream)
             again = _xread(s, consumer, stream, want - len(entries)) or []
             if again:
@@ -113,6 +120,24 @@ def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[
         for eid, fields in entries:
             _parse(stream, eid, fields, 1, out)
     return out
+
+
+def _shares(streams: list[tuple[str, float]], n: int, turn: int) -> list[tuple[str, float, int]]:
+    """Fair share (issue 43): the streams of the best priority (open batches, oldest first by score) each
+    give at most an equal part of ``n``, starting ``turn`` places along, so a small batch queued behind a
+    huge one gets jobs on every read instead of after it; then every stream, best first, what is left."""
+    if not streams:
+        return []
+    band = _band(streams[0][1])
+    top = [(st, sc) for st, sc in streams if _band(sc) == band]
+    start = turn % len(top)
+    quota = -(-n // len(top))
+    return [(st, sc, quota) for st, sc in top[start:] + top[:start]] + [(st, sc, n) for st, sc in streams]
+
+
+def _band(score: float) -> int:
+    """The priority a ready stream's score holds (keys.stream_score: -priority * 1e10 + created_at)."""
+    return math.floor(score / 1e10)
 
 
 def _xread(s: Scripts, consumer: str, stream: str, n: int) -> list[tuple[str, dict[str, str]]] | None:

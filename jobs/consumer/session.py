@@ -112,6 +112,7 @@ class ConsumerSession:
         self._claim_at = 0.0
         self._streams: list[tuple[str, float]] = []
         self._streams_at = -math.inf
+        self._turn = 0  # reads so far: where the fair share among open batches starts (commands.read)
         self._refusing = False  # the last round trip got an error reply
         self._held_backoff = 0.0
         self._wake = threading.Event()  # outcomes to write
@@ -196,7 +197,8 @@ class ConsumerSession:
         if now - self._streams_at > STREAMS_REFRESH or not self._streams:
             self._streams = commands.ready(self.link.r, self.queue)
             self._streams_at = now
-        got = commands.read(self.link.r, self.queue, self.id, n, self._streams, self.link.scripts)
+        got = commands.read(self.link.r, self.queue, self.id, n, self._streams, self.link.scripts, self._turn)
+        self._turn += 1  # the next read starts its fair share at the next open batch
         if len(got.deliveries) < n:
             self._streams_at = -math.inf
         return got

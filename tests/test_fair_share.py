@@ -1,0 +1,51 @@
+"""Fair share between the open batches of one priority (issue 43, item 7): a small batch submitted after a
+huge one gets jobs on every read, so it finishes while the huge one has run only a few of its jobs,
+instead of after all of them; a higher priority still goes first."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import redis
+from helpers import fresh_seed
+from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, wait_for
+from reliability_helpers import final, tiny
+from sluice.jobs import keys
+from sluice.jobs.submit import submit
+
+pytest_plugins = ["jobs_fixtures"]
+
+
+def test_a_small_batch_behind_a_huge_one_finishes_within_a_bounded_share(r: redis.Redis,
+                                                                         tiny_model_dir: Path) -> None:
+    rng = random.Random(fresh_seed())
+    huge = submit(prompt_lines(400, rng, max_tokens=2), r=r, model="tiny")
+    small = submit(prompt_lines(10, rng, max_tokens=2), r=r, model="tiny")
+    w = ThreadWorker(tiny(tiny_model_dir, max_num_seqs=4), lookahead=2)
+    try:
+        wait_for(lambda: final(r, small.id), 300, "the small batch")
+        huge_done = r.hlen(keys.done(huge.id))
+        # Equal shares: the huge batch ran about as many jobs as the small one (plus what one read and the
+        # engine's slots hold); first come first served, it would have run all 400 first.
+        assert huge_done <= 10 + 4 + 4 * 2 + 8, huge_done
+        wait_for(lambda: final(r, huge.id), 600, "the huge batch")
+    finally:
+        w.join()
+    assert_exactly_once(r, small.id, 10)
+    assert_exactly_once(r, huge.id, 400)
+
+
+def test_a_higher_priority_is_not_shared(r: redis.Redis, tiny_model_dir: Path) -> None:
+    rng = random.Random(fresh_seed())
+    low = submit(prompt_lines(40, rng, max_tokens=2), r=r, model="tiny")
+    high = submit(prompt_lines(10, rng, max_tokens=2), r=r, model="tiny", priority=5)
+    w = ThreadWorker(tiny(tiny_model_dir, max_num_seqs=4), lookahead=0)
+    try:
+        wait_for(lambda: final(r, high.id), 300, "the urgent batch")
+        assert r.hlen(keys.done(low.id)) <= 4, "a lower priority ran while a higher one waited"
+        wait_for(lambda: final(r, low.id), 300, "the other batch")
+    finally:
+        w.join()
+    assert_exactly_once(r, high.id, 10)
+    assert_exactly_once(r, low.id, 40)
