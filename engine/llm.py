@@ -317,7 +317,7 @@ class LLM(Intake[_RequestState, Completion]):
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
         p = request.params
         seq = Sequence(next(self._seq_ids), request.request_id, index, list(prompt_ids), len(prompt_ids), p,
-                       arrival_time=arrival, lora=request.lora)
+                       arrival_time=arrival, lora=request.lora, priority=request.priority)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.logprobs is not None:
             seq.logprobs = []

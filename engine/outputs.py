@@ -20,6 +20,9 @@ class Request:
     tools: list[dict[str, Any]] | None = None  # chat: function tools, passed to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # chat: more template options (enable_thinking, ...)
     lora: str | None = None  # a LoRA adapter the engine was started with (EngineConfig.lora_modules); None: the base
+    # Higher first: waits ahead of lower ones and, when the KV cache or the sequence slots are full, takes
+    # them from running lower-priority sequences (which are preempted and resume later, recomputed).
+    priority: int = 0
 
 
 @dataclass

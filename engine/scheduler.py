@@ -52,11 +52,24 @@ class Scheduler:
         p = seq.params
         if p.min_tokens:
             self.stop_ids[seq.seq_id] = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        self.waiting.append(seq)
+        self._wait(seq)
+
+    def _wait(self, seq: Sequence, first: bool = False) -> None:
+        """Into the waiting queue, which is kept in priority order: after the sequences of its priority
+        and higher (``first``: ahead of its own priority, as a preempted sequence goes back)."""
+        if not self.waiting or (self.waiting[-1].priority >= seq.priority and not first):
+            self.waiting.append(seq)  # the common case: one priority
+            return
+        i = 0
+        while i < len(self.waiting) and (self.waiting[i].priority > seq.priority or
+                                         (self.waiting[i].priority == seq.priority and not first)):
+            i += 1
+        self.waiting.insert(i, seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self._make_room_for_priority()
         preempted = self._schedule_running(batch, budget)
         budget -= sum(batch.num_new_tokens)
         if not preempted and self._may_admit():
@@ -151,6 +164,25 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq, first=True)
         self.num_preemptions += 1
         return seq
+
+    def _make_room_for_priority(self) -> None:
+        """The first waiting sequence outranks running ones but finds no room (blocks for its first chunk, or a
+        sequence slot): the lowest-priority running sequences, newest first, give theirs back until it fits.
+        Preempted by recomputation, they resume later with the tokens they had."""
+        if not self.waiting or not self.running:
+            return
+        head, bm = self.waiting[0], self.block_manager
+        while True:
+            lower = [s for s in self.running if s.priority < head.priority]
+            if not lower:
+                return
+            hits = bm.match_prefix(head)
+            first_chunk = min(head.num_tokens - len(hits) * bm.block_size, self.config.max_num_batched_tokens)
+            if len(self.running) < self.config.max_num_seqs and bm.can_admit(head, hits, first_chunk):
+                return
+            victim = min(lower, key=lambda s: (s.priority, -s.seq_id))
+            self.running.remove(victim)
+            self._preempt(victim)

@@ -31,6 +31,7 @@ class Sequence:
     guide: Any = None  # sluice.engine.guided.Guide when the request asks for structured output
     think: Any = None  # sluice.engine.reasoning.ThinkState for a chat request to a reasoning model
     lora: str | None = None  # the LoRA adapter's name; None: the base model
+    priority: int = 0  # higher first (Request.priority)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -41,7 +41,7 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
                              "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
     template_kwargs = json.loads(p.chat_template_kwargs) if p.chat_template_kwargs is not None else None
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
-                   params=params, tools=job.tools, chat_template_kwargs=template_kwargs)
+                   params=params, tools=job.tools, chat_template_kwargs=template_kwargs, priority=job.priority)
 
 
 def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: float | None = None,

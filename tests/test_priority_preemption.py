@@ -1,0 +1,65 @@
+"""An urgent request (the API's online requests run at the interactive priority) preempts running batch
+sequences when the KV cache or the sequence slots are full (issue 43, item 7): it has its first token
+within a step or two instead of waiting for a running sequence to finish, and every output, the preempted
+ones included, is token-identical to an undisturbed run (greedy)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from helpers import fresh_seed
+from reliability_helpers import tiny
+from sluice.engine.outputs import Request
+from sluice.engine.sampling_params import SamplingParams
+
+pytest_plugins = ["jobs_fixtures"]
+
+LONG = 48  # tokens each batch request generates
+
+
+def _requests(rng: random.Random, n: int, priority: int = 0, prefix: str = "b") -> list[Request]:
+    return [Request(f"{prefix}{i}", prompt_token_ids=[rng.randrange(1, 500) for _ in range(rng.randint(20, 40))],
+                    params=SamplingParams(max_tokens=LONG, ignore_eos=True), priority=priority) for i in range(n)]
+
+
+def _run(llm: Any, batch: list[Request], urgent: Request) -> tuple[dict[str, list[int]], int]:
+    """The batch fills the engine, then ``urgent`` arrives: every output, and the steps ``urgent`` waited
+    for its first token."""
+    for req in batch:
+        llm.add_request(req)
+    out: dict[str, list[int]] = {}
+    while llm.num_waiting:  # the engine is full: everything it can run is running
+        out |= {c.request_id: c.outputs[0].token_ids for c in llm.step()}
+    llm.add_request(urgent)
+    waited = 0
+    while (llm.tokens_so_far(urgent.request_id) or (0, [[]]))[1][0][len(urgent.prompt_token_ids or []):] == [] \
+            and urgent.request_id not in out:
+        out |= {c.request_id: c.outputs[0].token_ids for c in llm.step()}
+        waited += 1
+    while llm.num_running or llm.num_waiting:
+        out |= {c.request_id: c.outputs[0].token_ids for c in llm.step()}
+    return out, waited
+
+
+def test_an_urgent_request_preempts_batch_sequences_and_all_outputs_stay_the_same(tiny_model_dir: Path) -> None:
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    batch, urgent_req = _requests(rng, 12), _requests(rng, 1, prefix="u")[0]
+    alone = tiny(tiny_model_dir, max_num_seqs=16, kv_cache_memory=8 << 20)
+    want = {c.request_id: c.outputs[0].token_ids for c in alone.generate([*batch, urgent_req])}
+    waits = {}
+    for priority in (0, 100):
+        # Room for about four sequences at full length: the batch fills it, and the slots too.
+        llm = tiny(tiny_model_dir, max_num_seqs=4, kv_cache_memory=8 << 20)
+        urgent = Request(urgent_req.request_id, prompt_token_ids=urgent_req.prompt_token_ids,
+                         params=urgent_req.params, priority=priority)
+        got, waits[priority] = _run(llm, batch, urgent)
+        assert got == want, (seed, priority)  # preempted sequences resume token for token
+        if priority:
+            assert llm.scheduler.num_preemptions > 0, seed
+    print(f"seed={seed} steps to the urgent request's first token: {waits[0]} as a batch request, "
+          f"{waits[100]} at the interactive priority")
+    assert waits[100] <= 2, (seed, waits)
+    assert waits[0] > waits[100], (seed, waits)
