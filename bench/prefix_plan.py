@@ -151,7 +151,9 @@ def run_vllm(src: Path, out: Path, args: argparse.Namespace, log: Path) -> float
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out),
            "--model", str(model_dir), "--dtype", args.dtype, "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-memory-bytes", str(parse_size(args.kv_cache_memory))]
+           "--kv-cache-memory-bytes", str(parse_size(args.kv_cache_memory)),
+           # vLLM refuses a KV cache that cannot hold one sequence of the model's full length (8,192 here)
+           "--max-model-len", "4096"]
     t = time.perf_counter()
     with log.open("ab") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(venv))
