@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import fresh_seed
 from reliability_helpers import tiny
 from sluice.engine.outputs import Request
@@ -43,23 +44,27 @@ def _run(llm: Any, batch: list[Request], urgent: Request) -> tuple[dict[str, lis
     return out, waited
 
 
-def test_an_urgent_request_preempts_batch_sequences_and_all_outputs_stay_the_same(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("full", ["slots", "kv_cache"])
+def test_an_urgent_request_preempts_batch_sequences_and_all_outputs_stay_the_same(tiny_model_dir: Path,
+                                                                                  full: str) -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
     batch, urgent_req = _requests(rng, 12), _requests(rng, 1, prefix="u")[0]
     alone = tiny(tiny_model_dir, max_num_seqs=16, kv_cache_memory=8 << 20)
     want = {c.request_id: c.outputs[0].token_ids for c in alone.generate([*batch, urgent_req])}
     waits = {}
+    per_block = (4 << 20) // tiny(tiny_model_dir).num_total_blocks  # bytes of one KV block
     for priority in (0, 100):
-        # Room for about four sequences at full length: the batch fills it, and the slots too.
-        llm = tiny(tiny_model_dir, max_num_seqs=4, kv_cache_memory=8 << 20)
+        # Four sequence slots; or slots for all, and KV blocks for about four sequences at full length.
+        llm = tiny(tiny_model_dir, max_num_seqs=4, kv_cache_memory=8 << 20) if full == "slots" else \
+            tiny(tiny_model_dir, max_num_seqs=16, kv_cache_memory=14 * per_block)
         urgent = Request(urgent_req.request_id, prompt_token_ids=urgent_req.prompt_token_ids,
                          params=urgent_req.params, priority=priority)
         got, waits[priority] = _run(llm, batch, urgent)
         assert got == want, (seed, priority)  # preempted sequences resume token for token
         if priority:
             assert llm.scheduler.num_preemptions > 0, seed
-    print(f"seed={seed} steps to the urgent request's first token: {waits[0]} as a batch request, "
+    print(f"seed={seed} {full} full: steps to the urgent request's first token: {waits[0]} as a batch request, "
           f"{waits[100]} at the interactive priority")
     assert waits[100] <= 2, (seed, waits)
     assert waits[0] > waits[100], (seed, waits)
