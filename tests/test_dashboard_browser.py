@@ -68,8 +68,10 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
     n_bad, n_refused = rng.randint(1, 3), rng.randint(1, 3)
-    lines = [json.dumps({"custom_id": f"refused-{i}", "prompt": "x", "max_tokens": 4,
-                         "stop_token_ids": [10**9]}) for i in range(n_refused)]  # the worker refuses these
+    # The worker refuses these; their prompt sorts before every word, so the batch's plan (jobs grouped by
+    # prompt, jobs/prefix_plan.py) hands them out first, as their place in the file did.
+    lines = [json.dumps({"custom_id": f"refused-{i}", "prompt": "0", "max_tokens": 4,
+                         "stop_token_ids": [10**9]}) for i in range(n_refused)]
     lines += simple_lines(rng, 3000, max_tokens=48, ignore_eos=True)  # minutes of work for the tiny model
     for _ in range(n_bad):
         lines.insert(rng.randrange(n_refused, len(lines) + 1), "{not json")
