@@ -2,7 +2,8 @@
 
 ``create_app()`` builds a fresh app (tests build their own); ``sluice serve`` runs
 ``uvicorn --factory sluice.api.app:create_app``. Everything under ``/v1`` needs ``Authorization: Bearer
-$SLUICE_API_KEY`` when that variable is set; ``/healthz``, ``/metrics`` and the OpenAPI schema do not.
+$SLUICE_API_KEY`` (or ``x-api-key``) when that variable is set; ``/healthz``, ``/metrics`` and the OpenAPI
+schema do not.
 Limits (``sluice.api.settings``): upload size, requests per batch file, prompt characters.
 """
 
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sluice.api import dashboard, errors, routes_batches, routes_files, routes_jobs, routes_openai
 from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
+from sluice.api.routes_anthropic import router as anthropic_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
 from sluice.api.validation import max_line_bytes
@@ -49,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = [Depends(require_key)]
     for r in (routes_files.router, routes_batches.router, routes_jobs.router, routes_openai.router):
         app.include_router(r, dependencies=auth)
+    app.include_router(anthropic_router, dependencies=auth)  # Anthropic's Messages and Message Batches
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")
