@@ -2,7 +2,8 @@
 
 ``create_app()`` builds a fresh app (tests build their own); ``sluice serve`` runs
 ``uvicorn --factory sluice.api.app:create_app``. Everything under ``/v1`` needs ``Authorization: Bearer
-$SLUICE_API_KEY`` when that variable is set; ``/healthz``, ``/metrics`` and the OpenAPI schema do not.
+$SLUICE_API_KEY`` (or ``x-api-key``) when that variable is set; ``/healthz``, ``/metrics`` and the OpenAPI
+schema do not.
 Limits (``sluice.api.settings``): upload size, requests per batch file, prompt characters.
 """
 
@@ -28,6 +29,7 @@ from sluice.api import (
 )
 from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
+from sluice.api.routes_anthropic import router as anthropic_router
 from sluice.api.routes_control import router as control_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
@@ -63,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
               control_router):
         app.include_router(r, dependencies=auth)
     app.include_router(routes_retry.router, dependencies=auth)  # dead letters, requeue, retry (issue 43)
+    app.include_router(anthropic_router, dependencies=auth)  # Anthropic's Messages and Message Batches
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")

@@ -11,24 +11,30 @@ from __future__ import annotations
 import secrets
 
 from fastapi.responses import JSONResponse
-from sluice.api.errors import error_body
+from sluice.api.errors import error_for
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UPLOAD_PATH = "/v1/files"
+MESSAGE_BATCHES_PATH = "/v1/messages/batches"  # a whole batch in one JSON body: capped as an upload is
 UPLOAD_SLACK = 64 * 1024  # multipart framing around the file's bytes
 
 
-def key_ok(authorization: str | None, key: str | None) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <key>`` (always, when no key is set)."""
+def key_ok(authorization: str | None, key: str | None, x_api_key: str | None = None) -> bool:
+    """Whether the request carries the key: ``Authorization: Bearer <key>`` (OpenAI's clients) or
+    ``x-api-key: <key>`` (Anthropic's); always, when no key is set. The one check of SLUICE_API_KEY."""
     if key is None:
         return True
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+    bearer = scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+    return bearer or (x_api_key is not None and secrets.compare_digest(x_api_key.strip().encode(), key.encode()))
 
 
-def unauthorized() -> JSONResponse:
-    return JSONResponse(error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer <SLUICE_API_KEY>'.",
-                                   code="invalid_api_key"), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+UNAUTHORIZED = "Incorrect or missing API key: send 'Authorization: Bearer <SLUICE_API_KEY>' or 'x-api-key: <SLUICE_API_KEY>'."
+
+
+def unauthorized(path: str) -> JSONResponse:
+    return JSONResponse(error_for(path, 401, UNAUTHORIZED, code="invalid_api_key"), status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 class Gate:
@@ -45,17 +51,18 @@ class Gate:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
-        if (path == "/v1" or path.startswith("/v1/")) and not key_ok(headers.get("authorization"), self.key):
-            await unauthorized()(scope, receive, send)
+        if (path == "/v1" or path.startswith("/v1/")) and not key_ok(headers.get("authorization"), self.key,
+                                                                       headers.get("x-api-key")):
+            await unauthorized(path)(scope, receive, send)
             return
-        upload = scope["method"] == "POST" and path == UPLOAD_PATH
+        upload = scope["method"] == "POST" and path in (UPLOAD_PATH, MESSAGE_BATCHES_PATH)
         cap = self.max_upload + UPLOAD_SLACK if upload else self.max_body
         try:
             declared = int(headers.get("content-length") or 0)
         except ValueError:
             declared = 0
         if declared > cap:
-            await self._too_large(upload)(scope, receive, send)
+            await self._too_large(path, upload)(scope, receive, send)
             return
         await self._counted(scope, receive, send, cap, upload)
 
@@ -84,13 +91,13 @@ class Gate:
             if not over:
                 raise
         if over:
-            await self._too_large(upload)(scope, receive, send)
+            await self._too_large(scope["path"], upload)(scope, receive, send)
 
-    def _too_large(self, upload: bool) -> JSONResponse:
-        if upload:
-            body = error_body(413, f"the file is larger than {self.max_upload} bytes", code="file_too_large",
-                              param="file")
+    def _too_large(self, path: str, upload: bool) -> JSONResponse:
+        if upload and path == UPLOAD_PATH:
+            body = error_for(path, 413, f"the file is larger than {self.max_upload} bytes", code="file_too_large",
+                             param="file")
         else:
-            body = error_body(413, f"the request body is larger than {self.max_body} bytes",
-                              code="request_too_large")
+            cap = self.max_upload if upload else self.max_body
+            body = error_for(path, 413, f"the request body is larger than {cap} bytes", code="request_too_large")
         return JSONResponse(body, status_code=413)

@@ -185,7 +185,10 @@ async def _gone(request: Request) -> None:
     await _disconnected(request.receive)
 
 
-async def _answer(request: Request, call: _Call) -> Any:
+Render = Callable[[_Call, Result], tuple[str, JSONResponse]]  # a result as (status label, response)
+
+
+async def _answer(request: Request, call: _Call, render: Render | None = None) -> Any:
     waiter = _waiter(request, call, deltas=False)
     status = "500"
     gone = asyncio.ensure_future(_gone(request))
@@ -199,7 +202,7 @@ async def _answer(request: Request, call: _Call) -> Any:
             _, result = await waiter.read(min(BLOCK_S, left))
             if result is not None:
                 call.answered = True
-                status, response = _response(call, result)
+                status, response = (render or _response)(call, result)
                 return response
             if gone.done():
                 status = "499"  # the client closed the request: its job is cancelled in close()
@@ -294,6 +297,12 @@ class _Stream:
             out.append(self.chunk([], body["usage"]))
         return out
 
+    def error(self, status: int, message: str, code: str) -> str:
+        return _error_event(status, message, code)
+
+    def done(self) -> str:
+        return "data: [DONE]\n\n"
+
 
 class _RunChanged(Exception):
     pass
@@ -359,15 +368,15 @@ async def _sse(request: Request, s: _Stream) -> AsyncGenerator[str, None]:
         left = call.deadline - time.monotonic()
         if left <= 0:
             s.status = "504"
-            yield _error_event(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
-                               "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", "timeout")
+            yield s.error(504, f"no answer within {call.state.settings.interactive_timeout:g}s "
+                          "(SLUICE_INTERACTIVE_TIMEOUT); the request was cancelled", "timeout")
             return
         ds, result = await waiter.read(min(BLOCK_S, left))
         try:
             chunks = s.deltas(ds)
         except _RunChanged as e:
             s.status = "500"
-            yield _error_event(500, str(e), "worker_lost")
+            yield s.error(500, str(e), "worker_lost")
             return
         if chunks and s.first_token_at is None:
             s.first_token_at = time.monotonic()
@@ -379,17 +388,17 @@ async def _sse(request: Request, s: _Stream) -> AsyncGenerator[str, None]:
             if result.status != "completed":
                 code_status, code, message = _failure(result)
                 s.status = str(code_status)
-                yield _error_event(code_status, message, code)
+                yield s.error(code_status, message, code)
                 return
             s.status = "200"
             if s.first_token_at is None:
                 metrics.ttft.labels(call.url).observe(time.monotonic() - call.started)
             for c in s.finish(result):
                 yield c
-            yield "data: [DONE]\n\n"
+            yield s.done()
             return
         if not ds and s.run is not None and not await waiter.worker_alive(s.run[0]):
             s.status = "500"
-            yield _error_event(500, f"the worker running this request ({s.run[0]}) stopped mid-stream (crashed?); "
-                               "the request was cancelled", "worker_lost")
+            yield s.error(500, f"the worker running this request ({s.run[0]}) stopped mid-stream (crashed?); "
+                          "the request was cancelled", "worker_lost")
             return

@@ -278,6 +278,7 @@ class LineErrorInfo(BaseModel):
     line: int
     code: str
     message: str
+    custom_id: str | None = None  # when the caller knows it (a Message Batch's results name every request)
 
 
 class Batch(BaseModel):

@@ -56,10 +56,15 @@ def get_batch(r: redis.Redis, batch_id: str, *, max_errors: int = 20) -> Batch |
     return batch_from_meta(meta, errors) if meta else None
 
 
-def list_batches(r: redis.Redis, *, limit: int = 20, before: float | None = None) -> list[Batch]:
-    """Newest first; ``before`` (a created_at) pages back."""
-    top = f"({before}" if before is not None else "+inf"
-    ids = r.zrevrangebyscore(keys.all_batches(), top, "-inf", start=0, num=limit)
+def list_batches(r: redis.Redis, *, limit: int = 20, before: float | None = None,
+                 after: float | None = None) -> list[Batch]:
+    """Newest first; ``before`` (a created_at) pages back. With ``after`` instead: the first ones created
+    after it, oldest first (a page forward)."""
+    if after is not None:
+        ids = r.zrangebyscore(keys.all_batches(), f"({after}", "+inf", start=0, num=limit)
+    else:
+        top = f"({before}" if before is not None else "+inf"
+        ids = r.zrevrangebyscore(keys.all_batches(), top, "-inf", start=0, num=limit)
     pipe = r.pipeline(transaction=False)
     for bid in ids:
         pipe.hgetall(keys.meta(bid))
