@@ -75,6 +75,22 @@ def jobs(batch_id: str, priority: int) -> str:
     return _b(batch_id, f"jobs:{priority}")
 
 
+def groups(batch_id: str) -> str:
+    """Hash: prefix group -> the worker that took its first jobs (affinity, jobs/consumer/commands.py)."""
+    return _b(batch_id, "groups")
+
+
+def readers(batch_id: str) -> str:
+    """Hash: worker -> when it last read the batch's jobs (a group's owner is live while this is recent)."""
+    return _b(batch_id, "readers")
+
+
+def handoff(batch_id: str, priority: int) -> str:
+    """Sorted set of "<worker>\t<entry id>": jobs of ``jobs(batch_id, priority)`` handed to their group's
+    owner (pending under it) and not yet taken by it."""
+    return _b(batch_id, f"handoff:{priority}")
+
+
 def done(batch_id: str) -> str:
     """Hash: job idx -> id of its entry in ``results``; a job's presence here means it has its outcome."""
     return _b(batch_id, "done")
@@ -158,7 +174,8 @@ def batch_keys(batch_id: str, priorities: list[int]) -> list[str]:
     return [meta(batch_id), done(batch_id), results(batch_id), dead(batch_id), line_errors(batch_id),
             custom_ids(batch_id), job_custom_ids(batch_id), last_errors(batch_id), deadlines(batch_id),
             sick_episodes(batch_id), inputs(batch_id), spill_chunks(batch_id), spill_lock(batch_id), events(batch_id),
-            webhook_deliveries(batch_id), *(jobs(batch_id, p) for p in priorities)]
+            webhook_deliveries(batch_id), groups(batch_id), readers(batch_id),
+            *(jobs(batch_id, p) for p in priorities), *(handoff(batch_id, p) for p in priorities)]
 
 
 def parse_jobs_key(key: str) -> tuple[str, int]:

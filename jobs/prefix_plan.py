@@ -9,10 +9,14 @@ it puts jobs that share a longer prefix closer together (a depth-first walk of t
 no tokenizer needed where jobs are submitted (the CLI, the API). Jobs with a deadline go first, earliest
 first: a plan never makes a job miss its deadline for the sake of the cache. Priorities are not touched
 (each priority is its own stream), nor is the output's order (results name their row or custom_id).
+
+Affinity: each job of a planned run of shared prompts carries its prefix group (``groups``), so that
+with several workers a group goes to the worker that took its first jobs (jobs/consumer/commands.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -20,6 +24,7 @@ from typing import Any
 from sluice.jobs.schemas import Job
 
 PLAN_WINDOW = 4096  # jobs ordered together where they are read as a stream (a dataset's rows)
+GROUP_MIN_CHARS = 256  # a shared prefix shorter than this (~64 tokens, 4 KV blocks) is not worth keeping together
 _FIELD, _PART = "\x1e", "\x1f"  # separators no prompt text sorts around differently than its content
 
 
@@ -55,6 +60,42 @@ def planned(jobs: Iterable[Job], window: int = PLAN_WINDOW) -> Iterator[Job]:
             yield from plan(held)
             held = []
     yield from plan(held)
+
+
+def groups(prompt_keys: list[str]) -> list[str]:
+    """For prompt keys in hand-out order, each job's prefix group ('' for none): a run of neighbours that
+    each share at least GROUP_MIN_CHARS with the next, cut where the shared part falls below half of the
+    run's shortest so far (a common system prompt before many documents does not make one group of them
+    all: each document's questions are a group). The id hashes the run's shared text, so a group has the
+    same id wherever it appears."""
+    shared = [_common(a, b) for a, b in zip(prompt_keys, prompt_keys[1:], strict=False)]
+    out = [""] * len(prompt_keys)
+    start = 0
+    while start < len(prompt_keys):
+        end, low = start, 0
+        while end < len(shared) and shared[end] >= max(GROUP_MIN_CHARS, low // 2):
+            low = shared[end] if end == start else min(low, shared[end])
+            end += 1
+        if end > start:
+            gid = hashlib.blake2b(prompt_keys[start][:low].encode(), digest_size=8).hexdigest()
+            out[start:end + 1] = [gid] * (end + 1 - start)
+        start = end + 1
+    return out
+
+
+def _common(a: str, b: str) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: halve by comparing slices (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _content_text(content: Any) -> str:

@@ -187,36 +187,99 @@ def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, 
     written, fin = s.run(EXPIRE_DUE, ks, [now, *results])
     return int(written), fin or "", len(due)
 
-# Hands out up to ARGV[3] new jobs of one stream unless its batch is paused (meta ``paused_at``): the check
+# Hands out up to ARGV[3] jobs of one stream unless its batch is paused (meta ``paused_at``): the check
 # and the read in one script, so no job is handed out once a pause is recorded (jobs/pause.py).
-# KEYS: meta, stream; ARGV: group, consumer, count -> {0} if paused, else {1, entries} (XREADGROUP's)
+# Affinity (issue 44): a new entry whose prefix group (field g) belongs to another live reader is handed
+# to it (pending under it, listed in the handoff set) unless it already has ARGV[6] waiting: then the
+# group is split, its owner cannot keep up. Jobs handed to us, or to a reader gone quiet for ARGV[5]
+# seconds (busy or dead), are taken first. A reader is live while it read the batch within ARGV[5] s.
+# A full server refuses the bookkeeping writes (pcall): the read goes on without affinity.
+# KEYS: meta, stream, groups, readers, handoff; ARGV: group, consumer, count, now, quiet s, handoff max,
+# most handed per call -> {0} if paused, else {1, entries (XREADGROUP's), jobs still waiting in handoff}
 PULL = """
 if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {0} end
-local ok, got = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[2], '>')
-if not ok or not got then return {1, {}} end  -- NOGROUP: the batch was deleted since the list was read
-return {1, got[1][2]}
+local me, n, now, quiet = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+pcall(redis.call, 'HSET', KEYS[4], me, ARGV[4])  -- a full server refuses it: the read goes on
+local function live(c)
+  local t = tonumber(redis.call('HGET', KEYS[4], c))
+  return t ~= nil and now - t < quiet
+end
+local out = {}
+for _, m in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
+  if #out >= n then break end
+  local tab = string.find(m, '\\t', 1, true)
+  local owner, id = string.sub(m, 1, tab - 1), string.sub(m, tab + 1)
+  if owner == me or not live(owner) then
+    redis.call('ZREM', KEYS[5], m)
+    if #redis.call('XPENDING', KEYS[2], ARGV[1], id, id, 1, owner) == 1 then
+      if owner ~= me then redis.call('XCLAIM', KEYS[2], ARGV[1], me, 0, id, 'JUSTID') end
+      local e = redis.call('XRANGE', KEYS[2], id, id)
+      if #e == 1 then out[#out + 1] = e[1] end
+    end
+  end
+end
+local function group_of(fields)
+  for i = 1, #fields, 2 do if fields[i] == 'g' then return fields[i + 1] end end
+  return nil
+end
+local handed = 0
+while #out < n and handed < tonumber(ARGV[7]) do
+  local ok, got = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], me, 'COUNT', n - #out, 'STREAMS', KEYS[2], '>')
+  if not ok then return {1, out, 0} end  -- NOGROUP: the batch was deleted since the list was read
+  if not got then break end
+  for _, e in ipairs(got[1][2]) do
+    local g = group_of(e[2])
+    local owner = g and redis.call('HGET', KEYS[3], g)
+    local theirs = owner and owner ~= me and live(owner)
+    if theirs and redis.call('ZLEXCOUNT', KEYS[5], '[' .. owner .. '\\t', '[' .. owner .. '\\t\\255') < tonumber(ARGV[6])
+        and pcall(redis.call, 'ZADD', KEYS[5], 0, owner .. '\\t' .. e[1]) then
+      redis.call('XCLAIM', KEYS[2], ARGV[1], owner, 0, e[1], 'JUSTID')  -- JUSTID: not counted as a delivery
+      handed = handed + 1
+    else
+      if g and not theirs then pcall(redis.call, 'HSET', KEYS[3], g, me) end
+      out[#out + 1] = e
+    end
+  end
+end
+return {1, out, redis.call('ZCARD', KEYS[5])}
 """
 
 
-def pull(s: Scripts, stream: str, consumer: str, n: int) -> list[Any] | None:
-    """New entries of ``stream`` for ``consumer`` (at most ``n``), [id, [field, value, ...]] each; None if its
-    batch is paused."""
-    batch_id, _ = keys.parse_jobs_key(stream)
-    got = s.run(PULL, [keys.meta(batch_id), stream], [keys.GROUP, consumer, n])
-    return None if int(got[0]) == 0 else list(got[1])
+def pull(s: Scripts, stream: str, consumer: str, n: int, now: float, quiet: float, handoff_max: int,
+         hand_most: int) -> tuple[list[Any], int] | None:
+    """Entries of ``stream`` for ``consumer`` (at most ``n``), [id, [field, value, ...]] each, and how many jobs
+    wait in the stream's handoff set; None if its batch is paused."""
+    batch_id, prio = keys.parse_jobs_key(stream)
+    ks = [keys.meta(batch_id), stream, keys.groups(batch_id), keys.readers(batch_id), keys.handoff(batch_id, prio)]
+    got = s.run(PULL, ks, [keys.GROUP, consumer, n, now, quiet, handoff_max, hand_most])
+    return None if int(got[0]) == 0 else (list(got[1]), int(got[2]))
 
 
 # Claims pending entries (XCLAIM with a minimum idle time) unless their batch is paused, atomically as PULL.
-# KEYS: meta, stream; ARGV: group, consumer, min idle ms, entry id... -> XCLAIM's entries ({} if paused)
+# An entry handed to its group's owner and not yet taken by it (in the handoff set) is the owner's to take
+# through PULL: its owner's own claim leaves it; another's claim (the owner is dead) takes it off the set.
+# KEYS: meta, stream, handoff; ARGV: group, consumer, min idle ms, their owner, entry id... -> XCLAIM's entries
 CLAIM = """
 if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {} end
-return redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], ARGV[3], unpack(ARGV, 4))
+local ids = {}
+for i = 5, #ARGV do
+  local m = ARGV[4] .. '\\t' .. ARGV[i]
+  if not redis.call('ZSCORE', KEYS[3], m) then
+    ids[#ids + 1] = ARGV[i]
+  elseif ARGV[4] ~= ARGV[2] then
+    redis.call('ZREM', KEYS[3], m)
+    ids[#ids + 1] = ARGV[i]
+  end
+end
+if #ids == 0 then return {} end
+return redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], ARGV[3], unpack(ids))
 """
 
 
-def claim(s: Scripts, stream: str, consumer: str, min_idle: int, ids: list[str]) -> list[Any]:
-    batch_id, _ = keys.parse_jobs_key(stream)
-    return list(s.run(CLAIM, [keys.meta(batch_id), stream], [keys.GROUP, consumer, min_idle, *ids]))
+def claim(s: Scripts, stream: str, consumer: str, min_idle: int, owner: str, ids: list[str]) -> list[Any]:
+    batch_id, prio = keys.parse_jobs_key(stream)
+    return list(s.run(CLAIM, [keys.meta(batch_id), stream, keys.handoff(batch_id, prio)],
+                      [keys.GROUP, consumer, min_idle, owner, *ids]))
 
 
 # Fencing: true when entry ARGV[1] is pending under consumer ARGV[3] of group ARGV[2] in stream KEYS[1].
@@ -287,20 +350,24 @@ def transition(s: Scripts, batch_id: str, new: str, time_field: str, now: float,
 
 
 # Appends a chunk of jobs to one job stream with their custom_id <-> idx maps, atomically, so the
-# maps and the stream never disagree. KEYS: stream, custom_id -> idx hash, idx -> custom_id hash
-# ARGV: (job JSON, custom_id, idx) per job
+# maps and the stream never disagree; a job of a prefix group carries it (field g, read by PULL).
+# KEYS: stream, custom_id -> idx hash, idx -> custom_id hash
+# ARGV: (job JSON, custom_id, idx, prefix group or '') per job
 ENQUEUE = """
-for i = 1, #ARGV, 3 do
-  redis.call('XADD', KEYS[1], '*', 'j', ARGV[i])
+for i = 1, #ARGV, 4 do
+  if ARGV[i + 3] == '' then
+    redis.call('XADD', KEYS[1], '*', 'j', ARGV[i])
+  else
+    redis.call('XADD', KEYS[1], '*', 'j', ARGV[i], 'g', ARGV[i + 3])
+  end
   redis.call('HSET', KEYS[2], ARGV[i + 1], ARGV[i + 2])
   redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 1])
 end
-return #ARGV / 3
+return #ARGV / 4
 """
 
-
 def enqueue(s: Scripts, batch_id: str, stream: str, jobs: list[str | int], client: Any = None) -> Any:
-    """``jobs``: (job JSON, custom_id, idx) per job, flat."""
+    """``jobs``: (job JSON, custom_id, idx, prefix group or '') per job, flat."""
     return s.run(ENQUEUE, [stream, keys.custom_ids(batch_id), keys.job_custom_ids(batch_id)], jobs, client)
 
 

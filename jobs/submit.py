@@ -21,7 +21,7 @@ from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.pipes import NodePipes
-from sluice.jobs.prefix_plan import plan_key
+from sluice.jobs.prefix_plan import groups, plan_key
 from sluice.jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -237,11 +237,13 @@ class _Submission:
         return not self.cancelled
 
     def _planned(self, prio: int, args: list[Any]) -> list[Any]:
-        """A chunk's (job JSON, custom_id, idx) triples in hand-out order."""
+        """A chunk's (job JSON, custom_id, idx) triples in hand-out order, each with its prefix group."""
+        n = len(args) // 3
         if not self.plan:
-            return args
-        order = sorted(range(len(args) // 3), key=self.plan_keys[prio].__getitem__)
-        return [x for i in order for x in args[3 * i : 3 * i + 3]]
+            return [x for i in range(n) for x in (*args[3 * i : 3 * i + 3], "")]
+        order = sorted(range(n), key=self.plan_keys[prio].__getitem__)
+        group = groups([self.plan_keys[prio][i][2] for i in order])
+        return [x for i, g in zip(order, group, strict=True) for x in (*args[3 * i : 3 * i + 3], g)]
 
     def wait(self) -> None:
         """Wait for the flush in flight; note a cancel that came while validating."""

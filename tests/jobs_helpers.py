@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -36,6 +37,28 @@ def prompt_lines(n: int, rng: Any, max_tokens: int = 4, **extra: Any) -> list[st
     words = ["sluice", "river", "gate", "water", "stone", "mill", "wheel", "bank", "flow", "lock"]
     return [json.dumps({"custom_id": f"job-{i}", "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(2, 9))),
                         "max_tokens": max_tokens, "ignore_eos": True, **extra}) for i in range(n)]
+
+
+FEW_SHOT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+
+def few_shot_lines(rng: random.Random, k: int, per: int, shots: int) -> tuple[list[str], list[str]]:
+    """``k`` few-shot prefixes (a system turn and ``shots`` worked examples), ``per`` questions behind each,
+    shuffled; returns the lines and each line's prefix name."""
+    prefixes = []
+    for g in range(k):
+        shots_text = [{"role": r, "content": " ".join(rng.choice(FEW_SHOT_WORDS) for _ in range(12))}
+                      for _ in range(shots) for r in ("user", "assistant")]
+        prefixes.append([{"role": "system", "content": f"task {g}"}, *shots_text])
+    jobs = [(g, i) for g in range(k) for i in range(per)]
+    rng.shuffle(jobs)
+    lines, groups = [], []
+    for n, (g, _) in enumerate(jobs):
+        question = " ".join(rng.choice(FEW_SHOT_WORDS) for _ in range(rng.randint(2, 8)))
+        lines.append(json.dumps({"custom_id": f"q{n}", "messages": [*prefixes[g], {"role": "user", "content": question}],
+                                 "max_tokens": 3}))
+        groups.append(f"g{g}")
+    return lines, groups
 
 
 def result_entries(r: redis.Redis, batch_id: str) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 from helpers import fresh_seed
-from jobs_helpers import assert_exactly_once, result_entries
+from jobs_helpers import assert_exactly_once, few_shot_lines, result_entries
 from reliability_helpers import run_to_end, tiny
 from sluice.jobs import keys
 from sluice.jobs.lines import parse_line
@@ -21,32 +21,10 @@ from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-
-
-def _shuffled_lines(rng: random.Random, k: int, per: int, shots: int) -> tuple[list[str], list[str]]:
-    """``k`` few-shot prefixes (a system turn and ``shots`` worked examples), ``per`` questions behind each,
-    shuffled; returns the lines and each line's prefix name."""
-    prefixes = []
-    for g in range(k):
-        shots_text = [{"role": r, "content": " ".join(rng.choice(WORDS) for _ in range(12))}
-                      for _ in range(shots) for r in ("user", "assistant")]
-        prefixes.append([{"role": "system", "content": f"task {g}"}, *shots_text])
-    jobs = [(g, i) for g in range(k) for i in range(per)]
-    rng.shuffle(jobs)
-    lines, groups = [], []
-    for n, (g, _) in enumerate(jobs):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-        lines.append(json.dumps({"custom_id": f"q{n}", "messages": [*prefixes[g], {"role": "user", "content": question}],
-                                 "max_tokens": 3}))
-        groups.append(f"g{g}")
-    return lines, groups
-
-
 def test_plan_groups_shared_prefixes_and_puts_deadlines_first() -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
-    lines, groups = _shuffled_lines(rng, 5, 7, 2)
+    lines, groups = few_shot_lines(rng, 5, 7, 2)
     jobs = [parse_line(t, i + 1) for i, t in enumerate(lines)]
     group_of = {j.custom_id: g for j, g in zip(jobs, groups, strict=True)}
     order = [group_of[j.custom_id] for j in plan(jobs)]
@@ -81,7 +59,7 @@ def test_prompt_keys_share_a_prefix_exactly_when_prompts_do() -> None:
 def test_submit_hands_out_each_chunk_by_prefix_and_keeps_priorities(r: redis.Redis) -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
-    lines, groups = _shuffled_lines(rng, 4, 6, 1)
+    lines, groups = few_shot_lines(rng, 4, 6, 1)
     urgent = rng.sample(range(len(lines)), 2)
     for i in urgent:
         lines[i] = json.dumps({**json.loads(lines[i]), "priority": 5})
@@ -109,7 +87,7 @@ def test_a_planned_batch_computes_each_prefix_about_once_with_the_same_outputs(r
     shared blocks once, every prompt's remainder once), and every completion is the same (greedy)."""
     seed = fresh_seed()
     rng = random.Random(seed)
-    lines, _ = _shuffled_lines(rng, 8, 6, 4)
+    lines, _ = few_shot_lines(rng, 8, 6, 4)
     probe = tiny(tiny_model_dir, block_size=16)
     per_block = (4 << 20) // probe.num_total_blocks  # bytes of one block's KV
     toks = [_prompt_ids(probe, t) for t in lines]
@@ -166,7 +144,7 @@ def test_prompt_tokens_served_from_cache_per_batch_and_per_worker(r: redis.Redis
     from sluice.jobs.store import get_batch, list_workers
 
     seed = fresh_seed()
-    lines, _ = _shuffled_lines(random.Random(seed), 2, 4, 3)
+    lines, _ = few_shot_lines(random.Random(seed), 2, 4, 3)
     b = submit(lines, r=r, model="tiny")
     w = ThreadWorker(tiny(tiny_model_dir, block_size=16), worker_id="cache")
     try:

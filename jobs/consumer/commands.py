@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,12 @@ from sluice.jobs.scripts import Scripts
 log = logging.getLogger(__name__)
 
 MAX_STREAMS = 256  # ready streams looked at per read, best score first
+# Prefix-group affinity (issue 44; scripts.PULL): a group's owner is live while it read its batch within
+# QUIET_S seconds (a worker whose engine is full does not read: its groups are then split, it cannot keep
+# up); at most HANDOFF_MAX jobs wait handed to one owner, and one read hands at most HAND_MOST along.
+QUIET_S = 5.0
+HANDOFF_MAX = 64
+HAND_MOST = 256
 
 
 @dataclass
@@ -105,18 +112,20 @@ def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[
             break
         if stream in dry:
             continue
-        entries = _xread(s, consumer, stream, want)
-        if entries is None:
+        got = _xread(s, consumer, stream, want)
+        if got is None:
             dry.add(stream)
             _unready_paused(r, queue, stream, score)
             continue
+        entries, waiting = got
         if len(entries) < want:
             dry.add(stream)
-            r.zrem(keys.ready_streams(queue), stream)
-            again = _xread(s, consumer, stream, want - len(entries)) or []
-            if again:
-                r.zadd(keys.ready_streams(queue), {stream: score})
-            entries += again
+            if not waiting:  # jobs handed to a group's owner keep the stream in view until taken
+                r.zrem(keys.ready_streams(queue), stream)
+                again = _xread(s, consumer, stream, want - len(entries))
+                if again and (again[0] or again[1]):
+                    r.zadd(keys.ready_streams(queue), {stream: score})
+                entries += again[0] if again else []
         for eid, fields in entries:
             _parse(stream, eid, fields, 1, out)
     return out
@@ -140,10 +149,11 @@ def _band(score: float) -> int:
     return math.floor(score / 1e10)
 
 
-def _xread(s: Scripts, consumer: str, stream: str, n: int) -> list[tuple[str, dict[str, str]]] | None:
-    """New entries of ``stream``; None if its batch is paused."""
-    got = script.pull(s, stream, consumer, n)
-    return None if got is None else [(eid, _fields(flat)) for eid, flat in got]
+def _xread(s: Scripts, consumer: str, stream: str, n: int) -> tuple[list[tuple[str, dict[str, str]]], int] | None:
+    """Entries of ``stream`` for us (new ones, or handed to us by prefix group) and how many jobs wait
+    handed to a group's owner; None if its batch is paused."""
+    got = script.pull(s, stream, consumer, n, time.time(), QUIET_S, HANDOFF_MAX, HAND_MOST)
+    return None if got is None else ([(eid, _fields(flat)) for eid, flat in got[0]], got[1])
 
 
 def _fields(flat: list[str] | None) -> dict[str, str]:
@@ -212,7 +222,9 @@ def claim(r: redis.Redis, queue: str, consumer: str, n: int, held: set[str], scr
         for c in sm.get("consumers") or []:
             name = c["name"]
             if name == consumer or not alive.get(name, False):
-                _claim_from(r, sc, stream, consumer, name, n - len(out.deliveries), held, out)
+                # what this pass already claimed is pending under us too, and not to be claimed twice
+                taken = held | {d.entry_id for d in out.deliveries}
+                _claim_from(r, sc, stream, consumer, name, n - len(out.deliveries), taken, out)
             if len(out.deliveries) >= n:
                 return out
     return out
@@ -237,7 +249,7 @@ def _claim_from(r: redis.Redis, s: Scripts, stream: str, consumer: str, owner: s
     # in between has a smaller idle time now and is left alone.
     min_idle = min(p["time_since_delivered"] for p in pending)
     counts = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
-    claimed = script.claim(s, stream, consumer, min_idle, [p["message_id"] for p in pending])
+    claimed = script.claim(s, stream, consumer, min_idle, owner, [p["message_id"] for p in pending])
     before = len(out.deliveries)
     for eid, flat in claimed:
         if flat:  # none: the entry was deleted meanwhile
