@@ -1,5 +1,6 @@
-"""``GET /metrics``: the API's request counts, and the job plane as seen at scrape time (live workers
-and queue depth per model, read from Redis), on the API's own Prometheus registry. Names as in
+"""``GET /metrics``: the API's request counts, and the job plane as seen at scrape time (live workers,
+jobs queued and in flight per model, read from Redis; a model with an open batch is reported with no
+worker alive too, the signal an autoscaler starts its first worker on), on the API's own Prometheus registry. Names as in
 ``sluice.worker.metrics`` (the same concept has the same name; the workers add a ``worker`` label)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sluice.jobs.store import list_workers, queue_depth
+from sluice.jobs.store import Backlog, list_workers, queue_backlog, queues_with_jobs
 
 READ_EVERY = 5.0  # seconds a reading of the job plane is reused: scrapes must not each SCAN Redis
 # A label's values must be a set fixed in advance: every new value is a series kept for the process's
@@ -26,21 +27,22 @@ def _families() -> tuple[GaugeMetricFamily, ...]:
     return (GaugeMetricFamily("sluice_job_server_up", "1 while the job server (Redis) answers"),
             GaugeMetricFamily("sluice_live_workers", "Workers with a live heartbeat", labels=["queue"]),
             GaugeMetricFamily("sluice_running_seqs", "Sequences running over live workers", labels=["queue"]),
-            GaugeMetricFamily("sluice_queued_jobs", "Jobs not yet delivered to any worker", labels=["queue"]))
+            GaugeMetricFamily("sluice_queued_jobs", "Jobs not yet delivered to any worker", labels=["queue"]),
+            GaugeMetricFamily("sluice_in_flight_jobs", "Jobs a worker holds, not yet written back", labels=["queue"]))
 
 
 class JobPlaneCollector(Collector):
     def __init__(self, get_redis: Callable[[], redis.Redis]) -> None:
         self.get_redis = get_redis
-        self._reading: tuple[list[dict[str, Any]], dict[str, int]] | None = None
+        self._reading: tuple[list[dict[str, Any]], dict[str, Backlog]] | None = None
         self._read_at = -math.inf
 
-    def _read(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    def _read(self) -> tuple[list[dict[str, Any]], dict[str, Backlog]]:
         if self._reading is None or time.monotonic() - self._read_at > READ_EVERY:
             r = self.get_redis()
             workers = list_workers(r)
-            queues = {w.get("queue") or "default" for w in workers} | {"default"}
-            self._reading = workers, {q: queue_depth(r, q) for q in sorted(queues)}
+            queues = {w.get("queue") or "default" for w in workers} | queues_with_jobs(r) | {"default"}
+            self._reading = workers, {q: queue_backlog(r, q) for q in sorted(queues)}
             self._read_at = time.monotonic()
         return self._reading
 
@@ -49,7 +51,7 @@ class JobPlaneCollector(Collector):
         yield from _families()
 
     def collect(self) -> Iterator[Any]:
-        up, live, running, depth = _families()
+        up, live, running, depth, in_flight = _families()
         try:
             workers, depths = self._read()
         except (redis.RedisError, OSError, RuntimeError):
@@ -63,8 +65,9 @@ class JobPlaneCollector(Collector):
             mine = [w for w in workers if (w.get("queue") or "default") == q]
             live.add_metric([q], len(mine))
             running.add_metric([q], sum(int(w.get("running") or 0) for w in mine))
-            depth.add_metric([q], n)
-        yield from (live, running, depth)
+            depth.add_metric([q], n.queued)
+            in_flight.add_metric([q], n.in_flight)
+        yield from (live, running, depth, in_flight)
 
 
 def request_labels(scope: MutableMapping[str, Any], status: int) -> tuple[str, str, str]:

@@ -334,7 +334,9 @@ class LLM(Intake[_RequestState, Completion]):
         ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
         usage = Usage(len(state.prompt_ids), sum(s.num_output_tokens for s in state.seqs),
                       state.seqs[0].num_cached_tokens)
-        timings = Timings(state.arrival_time, min(firsts) if firsts else None, max(ends) if ends else time.time())
+        admitted = [s.admitted_time for s in state.seqs if s.admitted_time is not None]
+        timings = Timings(state.arrival_time, min(firsts) if firsts else None, max(ends) if ends else time.time(),
+                          min(admitted) if admitted else None)
         return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings,
                           prompt_logprobs=state.seqs[0].prompt_logprobs)
 

@@ -39,6 +39,7 @@ class Timings:
     queued: float = 0.0
     first_token: float | None = None
     finished: float | None = None
+    admitted: float | None = None  # first scheduled by the engine
 
 
 @dataclass

@@ -152,6 +152,8 @@ class Scheduler:
             bm.admit(seq, hits)
             bm.allocate_slots(seq, num_new)
             self.waiting.popleft()
+            if seq.admitted_time is None:
+                seq.admitted_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)

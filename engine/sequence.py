@@ -42,6 +42,7 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
     arrival_time: float = field(default_factory=time.time)
+    admitted_time: float | None = None  # first scheduled (a trace's engine admission)
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -205,6 +205,11 @@ def active_streams(queue: str) -> str:
     return f"{PREFIX}:queue:{queue}:streams"
 
 
+def queue_of_active_streams(key: str) -> str:
+    """``active_streams(queue)`` -> queue."""
+    return key.removeprefix(f"{PREFIX}:queue:").removesuffix(":streams")
+
+
 def ready_streams(queue: str) -> str:
     """Sorted set: a model's job streams that may hold undelivered jobs; lower score is pulled first.
     A reader that finds one empty takes it out and reads it once more (jobs/consumer/commands.py); a writer

@@ -164,6 +164,7 @@ class Job(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
     deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
+    traceparent: str | None = None  # W3C trace context of its sluice.submit span (tracing on: jobs/tracing.py)
     stream: bool | None = None  # an interactive request streaming its text (jobs/interactive.py); None: no
     max_deliveries: int | None = Field(None, ge=1)  # its batch's own (metadata sluice_max_deliveries); None: the worker's
 

@@ -332,19 +332,50 @@ def sweep_all(r: redis.Redis, s: Scripts, batch_id: str, total: int, status: str
 
 
 # ---- queue and workers ---------------------------------------------------------------------------
-def queue_depth(r: redis.Redis, queue: str) -> int:
-    """Jobs of a model not yet delivered to any worker (acked entries are deleted from the stream)."""
+@dataclass(frozen=True)
+class Backlog:
+    """A model's queue as an autoscaler reads it: ``queued`` jobs not yet delivered to any worker and
+    ``in_flight`` ones a worker holds (delivered, not yet written back; a dead worker's too, until claimed)."""
+
+    queue: str
+    queued: int
+    in_flight: int
+
+    @property
+    def backlog(self) -> int:
+        """What workers are needed for: zero only when no job of the queue is waiting or held."""
+        return self.queued + self.in_flight
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"queue": self.queue, "queued": self.queued, "in_flight": self.in_flight, "backlog": self.backlog}
+
+
+def queue_backlog(r: redis.Redis, queue: str) -> Backlog:
+    """A model's jobs queued and in flight over its open batches' streams (acked entries are deleted from a
+    stream, so its length less its pending entries is what no worker took yet)."""
     streams = r.zrange(keys.active_streams(queue), 0, -1)
     pipe = r.pipeline(transaction=False)
     for s in streams:
         pipe.xlen(s)
         pipe.xpending(s, keys.GROUP)
-    out = pipe.execute(raise_on_error=False)
-    depth = 0
+    out = pipe.execute(raise_on_error=False) if streams else []
+    queued = in_flight = 0
     for length, pending in zip(out[::2], out[1::2], strict=True):
         if isinstance(length, int) and isinstance(pending, dict):
-            depth += length - int(pending.get("pending") or 0)
-    return depth
+            held = int(pending.get("pending") or 0)
+            queued += length - held
+            in_flight += held
+    return Backlog(queue, queued, in_flight)
+
+
+def queue_depth(r: redis.Redis, queue: str) -> int:
+    """Jobs of a model not yet delivered to any worker."""
+    return queue_backlog(r, queue).queued
+
+
+def queues_with_jobs(r: redis.Redis) -> set[str]:
+    """The queues (model names) with an open batch, whether or not a worker serves them."""
+    return {keys.queue_of_active_streams(k) for k in r.scan_iter(match=keys.active_streams("*"), count=1000)}
 
 
 def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:

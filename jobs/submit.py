@@ -34,6 +34,7 @@ from sluice.jobs.schemas import (
 from sluice.jobs.scripts import Scripts, enqueue, finish, transition
 from sluice.jobs.settings import MAX_DELIVERIES_KEY, parse_max_deliveries
 from sluice.jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
+from sluice.jobs.tracing import Submitted
 
 DEFAULT_WINDOW = 24 * 3600.0  # seconds a batch may take before it expires (OpenAI's "24h")
 CHUNK = 2000  # jobs per pipeline round trip
@@ -133,6 +134,7 @@ class _Submission:
         self.endpoint: str | None = None
         self.flushed_at = self.now
         self.max_deliveries: int | None = None  # the batch's own, from its metadata
+        self.traced = Submitted()  # each buffered job's sluice.submit span (tracing on: jobs/tracing.py)
 
     def create(self, window: float, metadata: dict[str, str] | None, input_name: str | None,
                on_complete: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None,
@@ -196,6 +198,7 @@ class _Submission:
             # From id 0, so the group sees entries whatever the order the pipeline lands in.
             self.pipe.on(stream).xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
             self.new_streams.append(job.priority)
+        job.traceparent = self.traced.start(job.id, self.bid, job.custom_id, self.now)
         self.chunks.setdefault(job.priority, []).extend((job.model_dump_json(exclude_none=True), job.custom_id,
                                                          job.idx))
         if self.plan:
@@ -233,7 +236,7 @@ class _Submission:
         self.pending = 0
         self.chunks, self.deadlines, self.errors, self.new_streams, self.plan_keys = {}, {}, [], [], {}
         self.wait()
-        self.inflight = self.sender.submit(_send, p, index)
+        self.inflight = self.sender.submit(_send, p, index, self.traced.take())
         return not self.cancelled
 
     def _planned(self, prio: int, args: list[Any]) -> list[Any]:
@@ -267,13 +270,15 @@ class _Submission:
             pass  # housekeeping fails a batch whose submitter is gone
 
 
-def _send(batch: NodePipes, index: Any) -> list[Any]:
+def _send(batch: NodePipes, index: Any, traced: Submitted) -> list[Any]:
     """One flush: the batch's writes, then the queue's indexes; the first error reply is raised."""
+    start = time.time()
     replies = batch.execute()
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
     index.execute()
+    traced.enqueued(start, time.time())
     return replies
 
 

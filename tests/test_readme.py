@@ -28,6 +28,10 @@ THIRD_PARTY_ENV = {
     "HF_HOME": "huggingface_hub (transformers' hub cache)",
     "GOMP_SPINCOUNT": "libgomp (torch's OpenMP), set by engine/omp_spin.py for embedding models",
     "OMP_WAIT_POLICY": "libgomp (torch's OpenMP): a user's setting wins over engine/omp_spin.py's",
+    "OTEL_TRACES_EXPORTER": "OpenTelemetry (jobs/tracing.py reads it too: set, tracing is on)",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry's OTLP exporter",
+    "OTEL_SERVICE_NAME": "OpenTelemetry's SDK (the trace's service name)",
+    "OTEL_TRACES_SAMPLER": "OpenTelemetry's SDK",
 }
 
 

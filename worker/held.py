@@ -15,6 +15,7 @@ class Held:
     d: Delivery
     pulled_at: float
     rid: str | None = None  # the engine request id while it is in the engine
+    claim_started: float | None = None  # when the read that delivered it began (a trace's sluice.claim)
 
     @property
     def job(self) -> Job:

@@ -31,6 +31,7 @@ from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.options import EngineFactory, WorkerOptions, WorkerReport
 from sluice.worker.puller import Puller, default_lookahead
 from sluice.worker.streaming import TextStreams
+from sluice.worker.tracing import job_finished
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,9 @@ class Worker(Draining):
         n = self.puller.budget(held, llm.num_running, llm.num_waiting, llm.num_free_blocks)
         if n <= 0 or (n < self.puller.min_pull and llm.num_waiting > 0):
             return  # the engine has work queued: pull when a few more fit, in one round trip
+        claim_started = time.time()
         for d in self.session.take(n, {h.d.entry_id for h in self.held.values()}):
-            h = Held(d, time.time())
+            h = Held(d, time.time(), claim_started=claim_started)
             self.held[d.job.id] = h
             if d.sick_episodes:
                 self.iso.wary.append(h)  # held when an engine went sick: it runs alone (worker/isolation.py)
@@ -201,6 +203,7 @@ class Worker(Draining):
         p, u = h.job.params, res.usage
         new = 0 if h.job.kind == "embedding" else p.max_tokens
         self.puller.observe(p.n * -(-(u.prompt_tokens + new) // self.block_size))
+        job_finished(h, c, self.id)  # its trace's worker spans (tracing on)
         self.session.put(h.d, res)
         self.report.tokens += u.completion_tokens
         self.metrics.job_done(res.status, u.completion_tokens, h.job.created_at, h.pulled_at,

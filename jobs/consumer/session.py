@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis
-from sluice.jobs import interactive
+from sluice.jobs import interactive, tracing
 from sluice.jobs.consumer import commands, outcomes
 from sluice.jobs.consumer.cancel_feed import CancelFeed
 from sluice.jobs.consumer.commands import CancelEvent, Delivery, Outcome, Pulled
 from sluice.jobs.consumer.heartbeat import Heartbeat
 from sluice.jobs.consumer.identity import take_identity
 from sluice.jobs.consumer.link import Link
-from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer
+from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer, Written
 from sluice.jobs.consumer.outcomes import failed_instead
 from sluice.jobs.consumer.upkeep import Upkeep
 from sluice.jobs.housekeeping import RESULTS_TTL
@@ -98,6 +98,9 @@ class ConsumerSession:
         self.draining = False  # no housekeeping while draining: it could outlast us
         self.max_result_bytes = job_plane().max_result_bytes
         self.outbox = Writer()
+        # Traced jobs handed to the writer: (batch id, idx) -> (traceparent, when) for their write_back span.
+        self._traced: dict[tuple[str, int], tuple[str, float]] = {}
+        self._traced_lock = threading.Lock()
         self._held: tuple[float, str] | None = None  # since when outcomes are held on error replies, the first
         self.link = Link(redis_url)
         self.id = (take_identity(self.link.r, worker_id, explicit_id, self._beat, settings.heartbeat_ttl)
@@ -248,7 +251,9 @@ class ConsumerSession:
 
     def write_now(self) -> int:
         """Write the outbox in this thread; how many outcomes were fresh. Raises like Writer.flush."""
-        return sum(w.fresh for w in self.outbox.flush(self.link.r, self.link.scripts, time.time()))
+        written = self.outbox.flush(self.link.r, self.link.scripts, time.time())
+        self._trace_written(written)
+        return sum(w.fresh for w in written)
 
     def serves_elsewhere(self) -> bool:
         """Whether a live worker serves this session's queue."""
@@ -265,6 +270,9 @@ class ConsumerSession:
             result = failed_instead(result, "result_too_large", f"the result is {_size(size)}; a job's result "
                                     f"may be at most {_size(self.max_result_bytes)} (SLUICE_MAX_RESULT_BYTES)")
             body = result.model_dump_json(exclude_none=True)
+        if d.job.traceparent is not None and tracing.enabled():
+            with self._traced_lock:
+                self._traced[(d.batch_id, d.job.idx)] = (d.job.traceparent, time.time())
         self.outbox.add(Outcome(d.batch_id, d.job.idx, result.status, body, d.stream, d.entry_id))
 
     def stream(self, texts: list[tuple[Delivery, int, str]]) -> None:
@@ -391,7 +399,21 @@ class ConsumerSession:
             if w.fresh:
                 setattr(self.stats, w.outcome.status, getattr(self.stats, w.outcome.status) + 1)
         self.upkeep.wrote({w.outcome.batch_id for w in written if w.fresh})
+        self._trace_written(written)
         return True
+
+    def _trace_written(self, written: list[Written]) -> None:
+        """Each traced job's ``sluice.write_back`` span: from ``put`` until its outcome was written."""
+        if not self._traced:
+            return
+        now = time.time()
+        for w in written:
+            with self._traced_lock:
+                traced = self._traced.pop((w.outcome.batch_id, w.outcome.idx), None)
+            if traced is not None:
+                tracing.record("sluice.write_back", traced[0], traced[1], now,
+                               {**tracing.job_attributes(f"{w.outcome.batch_id}:{w.outcome.idx}", w.outcome.batch_id),
+                                "sluice.worker": self.id, "sluice.status": w.outcome.status})
 
 
 def _size(n: int) -> str:
