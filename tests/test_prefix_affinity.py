@@ -21,8 +21,10 @@ from jobs_helpers import (
 )
 from reliability_helpers import run_to_end, tiny
 from sluice.jobs import keys
+from sluice.jobs import scripts as script
 from sluice.jobs.consumer import commands
 from sluice.jobs.prefix_plan import groups
+from sluice.jobs.scripts import Scripts
 from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
@@ -161,3 +163,39 @@ def test_two_workers_keep_groups_apart_and_survive_a_death(r: redis.Redis, tiny_
     run_to_end(r, ref.id, tiny(tiny_model_dir), timeout=300)
     texts = {e["custom_id"]: e["text"] for e in result_entries(r, ref.id)}
     assert {e["custom_id"]: e["text"] for e in entries} == texts, seed
+
+
+def test_an_idle_worker_waits_for_jobs_handed_to_a_quiet_owner(r: redis.Redis, tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """A worker started with --exit-when-idle does not exit while jobs of its queue wait handed to another
+    worker that reads no more (they would be left to nobody): once the owner is quiet it takes them."""
+    seed = fresh_seed()
+    lines, names = few_shot_lines(random.Random(seed), 3, 5, 3)
+    b = submit(lines, r=r, model="tiny")
+    stream, s = keys.jobs(b.id, 0), Scripts(r)
+    first = _read(r, "ghost", 2, model="tiny")  # ghost owns the first group, and lives (a heartbeat)
+    r.set(keys.heartbeat("ghost"), "1", ex=600)
+    ghost_group = names[int(first[0].job.custom_id[1:])]
+    others = sum(1 for g in names if g != ghost_group)
+
+    def ghost_reads() -> None:  # a read of nothing: ghost stays a live reader of the batch
+        script.pull(s, stream, "ghost", 0, time.time(), commands.QUIET_S, commands.HANDOFF_MAX, commands.HAND_MOST)
+
+    w = worker_process(tiny_model_dir, "w", "--exit-when-idle", "1", log=tmp_path / "w.log")
+    try:
+        wait_for(lambda: ghost_reads() or r.hlen(keys.done(b.id)) >= others, 300, "the other groups done")
+        assert r.zcard(keys.handoff(b.id, 0)) == len(lines) - others - 2, seed  # ghost's group waits for it
+        end = time.monotonic() + 3.0  # three times the idle exit: w has nothing else to do
+        while time.monotonic() < end:
+            ghost_reads()
+            time.sleep(0.2)
+        assert w.poll() is None, (seed, (tmp_path / "w.log").read_text()[-2000:])
+        # ghost goes quiet: w takes what was handed to it
+        wait_for(lambda: r.hlen(keys.done(b.id)) >= len(lines) - 2, 300, "the handed jobs done by w")
+        r.delete(keys.heartbeat("ghost"))  # and ghost dies: its own two jobs are claimed
+        wait_for(lambda: r.hget(keys.meta(b.id), "status") == "completed", 300, "the batch to finish")
+        assert w.wait(timeout=120) == 0
+    finally:
+        w.kill()
+        w.wait()
+    assert_exactly_once(r, b.id, len(lines))

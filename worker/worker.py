@@ -112,7 +112,7 @@ class Worker(Draining):
         s = self.session
         self.metrics.observe(self.llm, len(self.held), s.pending_writes, s.up, s.queue_depth, s.stats.write_errors)
         self.report.max_held = max(self.report.max_held, len(self.held) + s.pending_writes)
-        if self.held or s.pending_writes:
+        if self.held or s.pending_writes or s.handed:
             self.busy_since = time.monotonic()
 
     # ---- taking jobs -----------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class Unreadable:
 class Pulled:
     deliveries: list[Delivery]
     unreadable: list[Unreadable]
+    handed: int = 0  # jobs of the streams read that wait handed to a group's owner (ours or another's)
 
 
 @dataclass
@@ -118,6 +119,7 @@ def read(r: redis.Redis, queue: str, consumer: str, n: int, streams: list[tuple[
             _unready_paused(r, queue, stream, score)
             continue
         entries, waiting = got
+        out.handed += waiting
         if len(entries) < want:
             dry.add(stream)
             if not waiting:  # jobs handed to a group's owner keep the stream in view until taken

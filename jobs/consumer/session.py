@@ -116,6 +116,9 @@ class ConsumerSession:
         self._streams: list[tuple[str, float]] = []
         self._streams_at = -math.inf
         self._turn = 0  # reads so far: where the fair share among open batches starts (commands.read)
+        # Jobs the last read saw handed to a group's owner and not yet taken: if their owner went quiet
+        # (busy, or gone) we take them, so we are not idle (an idle exit would leave them to nobody).
+        self.handed = 0
         self._refusing = False  # the last round trip got an error reply
         self._held_backoff = 0.0
         self._wake = threading.Event()  # outcomes to write
@@ -202,6 +205,7 @@ class ConsumerSession:
             self._streams_at = now
         got = commands.read(self.link.r, self.queue, self.id, n, self._streams, self.link.scripts, self._turn)
         self._turn += 1  # the next read starts its fair share at the next open batch
+        self.handed = got.handed
         if len(got.deliveries) < n:
             self._streams_at = -math.inf
         return got
