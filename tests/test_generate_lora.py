@@ -138,3 +138,14 @@ def test_python_api_lora_with_a_loaded_llm_is_refused(setup: Setup) -> None:
         sluice.generate([{"prompt": "x"}], llm=object(), lora={"a": str(setup.adapter)})
     with pytest.raises(ValueError, match="may not contain"):
         sluice.generate([{"prompt": "x"}], model=str(setup.base), lora={"a:b": str(setup.adapter)})
+
+
+def test_lora_with_an_embedding_model_is_one_line(setup: Setup, tmp_path: Path) -> None:
+    model = tmp_path / "st"  # what makes a folder an embedding model (a sentence-transformers modules.json)
+    model.mkdir()
+    (model / "modules.json").write_text("[]")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "e", "input": "x"}\n')
+    res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", str(model),
+                                   "--lora", f"a={setup.adapter}", "--no-progress"])
+    assert res.exit_code == 1 and "need a generation model" in res.output and "Traceback" not in res.output, res.output
