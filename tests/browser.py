@@ -76,7 +76,16 @@ class Browser:
         return got["result"].get("value")
 
     def until(self, expression: str, what: str, timeout: float = 60) -> Any:
-        return wait_for(lambda: self.js(expression), timeout, what, every=0.2)
+        return wait_for(lambda: self._between_pages(expression), timeout, what, every=0.2)
+
+    def _between_pages(self, expression: str) -> Any:
+        """``js(expression)``, or None while a navigation (a clicked link) replaces the page it ran in."""
+        try:
+            return self.js(expression)
+        except AssertionError as e:
+            if "Inspected target navigated or closed" in str(e) or "Cannot find context" in str(e):
+                return None
+            raise
 
     def open(self, url: str) -> None:
         self.call("Page.navigate", url=url)
