@@ -27,8 +27,9 @@ import jinja2
 import jinja2.sandbox
 import redis
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from sluice.api.errors import ApiError, not_found
+from sluice.api.gate import key_ok
 from sluice.api.rate_samples import Point, RateSamples
 from sluice.api.state import Redis, State, require_key
 from sluice.jobs.openai_output import line_error_to_output_line, result_to_output_line
@@ -58,7 +59,7 @@ CHART_W, CHART_H = 600, 120
 HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
                                       "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
            "Referrer-Policy": "no-referrer", "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
-STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "favicon.svg": "image/svg+xml"}
 
 router = APIRouter(include_in_schema=False)
 auth = [Depends(require_key)]
@@ -87,6 +88,22 @@ def static_file(name: str) -> FileResponse:
     if name not in STATIC:
         raise not_found("file", name)
     return FileResponse(HERE / "static" / name, media_type=STATIC[name], headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/favicon.ico")
+def favicon() -> FileResponse:
+    """The icon, for what asks /favicon.ico without reading the pages' <link rel=icon> (an SVG either way)."""
+    return static_file("favicon.svg")
+
+
+@router.get("/dashboard/session")
+def session(request: Request, state: State) -> JSONResponse:
+    """Whether the server wants a key and whether this request's is it: 200 either way, so the page learns
+    whether to show its login without a 401 in the browser's console."""
+    h = request.headers
+    key = state.settings.api_key
+    authorized = key_ok(h.get("authorization"), key, h.get("x-api-key"))
+    return JSONResponse({"key_required": key is not None, "authorized": authorized}, headers=HEADERS)
 
 
 # ---- the fragments (the key needed) -----------------------------------------------------------------

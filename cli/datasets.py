@@ -65,6 +65,7 @@ class RowFlags:
     template_file: str | None = None
     system: str | None = None
     id_column: str | None = None
+    model_column: str | None = None
     output_format: str | None = None
 
     def row_given(self) -> bool:
@@ -79,7 +80,7 @@ class RowFlags:
         try:
             return RowSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
                            template=self.template, template_file=self.template_file, system=self.system,
-                           id_column=self.id_column)
+                           id_column=self.id_column, model_column=self.model_column)
         except SpecError as e:
             raise UsageLine(_flag_names(str(e))) from None
 
@@ -96,6 +97,8 @@ _ROW_OPTIONS = [
     click.option("--system", default=None, help="Dataset input: a system message before each row's prompt."),
     click.option("--id-column", metavar="COL", default=None, help="Dataset input: the column naming each row's "
                  "request (text or integer) [default: the row number, from 0]."),
+    click.option("--model-column", metavar="COL", default=None, help="Dataset input: the column naming each "
+                 "row's model; 'BASE:ADAPTER' (or a bare adapter name) runs that --lora adapter."),
 ]
 _OUTPUT_FORMAT = click.option("--output-format", type=click.Choice(OUTPUT_FORMATS), default=None,
                               help="Write the source's rows with result columns added, in this format "

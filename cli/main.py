@@ -47,7 +47,7 @@ from sluice.cli.options import (
 )
 from sluice.cli.output import STDIO, default_errors_path
 from sluice.cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
-from sluice.cli.run_cmds import serve_cmd, up_cmd, worker_cmd
+from sluice.cli.run_cmds import lora_kwargs, serve_cmd, up_cmd, with_lora_options, worker_cmd
 from sluice.jobs.settings import SettingsError
 
 
@@ -77,6 +77,7 @@ def cli(verbose: bool) -> None:
               help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix; with -o -, "
               "stdout too]. Not for a dataset: its rows' errors are in OUTPUT's error column.")
 @with_engine_options
+@with_lora_options
 @with_sampling_options
 @with_row_options()
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids (dataset: rows) already in it.")
@@ -85,7 +86,8 @@ def cli(verbose: bool) -> None:
 def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None, policy: str,
              enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-             memory_budget: int | None, tensor_parallel_size: int, max_tokens: int | None,
+             memory_budget: int | None, tensor_parallel_size: int,
+             lora_modules: dict[str, str], max_loras: int, max_lora_rank: int, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
              rows: RowFlags, resume: bool, no_progress: bool, arrival_order: bool) -> None:
     """Run INPUT_FILE through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
@@ -100,6 +102,7 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget, tensor_parallel_size)
+    kwargs.update(lora_kwargs(lora_modules, max_loras, max_lora_rank))  # lines naming an adapter run on it
     if wants_dataset(rows, input_file, output_file):
         _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress,
                           not arrival_order)

@@ -78,6 +78,13 @@ def with_lora_options(f: Any) -> Any:
     return f
 
 
+def lora_kwargs(lora_modules: dict[str, str], max_loras: int, max_lora_rank: int) -> dict[str, Any]:
+    """The engine settings of with_lora_options' flags (none without an adapter)."""
+    if not lora_modules:
+        return {}
+    return {"lora_modules": lora_modules, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+
+
 def _given(**opts: Any) -> dict[str, Any]:
     """The worker options given; the rest keep WorkerOptions' defaults."""
     return {k: v for k, v in opts.items() if v is not None}
@@ -113,8 +120,7 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget,
                            tensor_parallel_size)
-    if lora_modules:
-        engine.update(lora_modules=lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    engine.update(lora_kwargs(lora_modules, max_loras, max_lora_rank))
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle,
                          **_given(max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl))

@@ -12,10 +12,10 @@ from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_
 
 def generate(data: Data, *, model: str | None = None, prompt_column: str | None = None,
              messages_column: str | None = None, template: str | None = None, template_file: str | None = None,
-             system: str | None = None, id_column: str | None = None, chat: bool = True,
-             output: str | None = None, resume: bool = False, progress: bool = True, llm: Any = None,
-             engine_options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-             **sampling: Any) -> Any:
+             system: str | None = None, id_column: str | None = None, model_column: str | None = None,
+             chat: bool = True, output: str | None = None, resume: bool = False, progress: bool = True,
+             llm: Any = None, lora: dict[str, str] | None = None, engine_options: dict[str, Any] | None = None,
+             storage_options: dict[str, Any] | None = None, **sampling: Any) -> Any:
     """Generate for every row of ``data``; returns ``data`` with the result columns added (same kind:
     DataFrame, Dataset, list of dicts; a pyarrow Table for a file), or, with ``output`` (a path or fsspec
     URL of a .parquet/.jsonl/.csv file), writes there and returns a WriteSummary.
@@ -26,18 +26,33 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     sampling settings (``max_tokens=64, temperature=0.7``) apply to every row; columns named like them
     set their own row's. ``resume`` (with ``output``) skips rows a killed run already wrote.
     ``llm`` reuses a loaded ``sluice.engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options``
-    (LLM keyword arguments). ``storage_options`` go to fsspec for a URL ``data`` and ``output``
-    (``{"endpoint_url": ...}`` for an S3-compatible store).
+    (LLM keyword arguments) and the LoRA adapters ``lora`` (``{"name": "peft/folder"}``, as ``--lora``):
+    a row whose ``model_column`` names ``"BASE:NAME"`` (or ``"NAME"``) runs on adapter NAME.
+    ``storage_options`` go to fsspec for a URL ``data`` and ``output`` (``{"endpoint_url": ...}`` for an
+    S3-compatible store).
     """
     source = source_of(data, storage_options)
-    spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat)
+    spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat, model_column)
     defaults = sampling_defaults(sampling)
+    options = _with_lora(engine_options, lora, llm)
     from sluice.worker.generate_rows import generate_rows  # the engine side: torch only when generating
 
     with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
-        summary = generate_rows(source, spec, writer, lambda: llm if llm is not None else _llm(model, engine_options),
+        summary = generate_rows(source, spec, writer, lambda: llm if llm is not None else _llm(model, options),
                                 defaults=defaults, resume=resume, progress=progress)
         return summary if output is not None else like(table(), data)
+
+
+def _with_lora(engine_options: dict[str, Any] | None, lora: dict[str, Any] | None, llm: Any) -> dict[str, Any]:
+    """``engine_options`` with the adapters of ``lora`` (names checked as ``--lora`` checks them)."""
+    from sluice.jobs.keys import parse_lora_module
+
+    if not lora:
+        return dict(engine_options or {})
+    if llm is not None:
+        raise ValueError("lora= loads adapters with the model: give lora_modules= to the LLM passed as llm=")
+    modules = dict(parse_lora_module(f"{name}={path}") for name, path in lora.items())
+    return {**(engine_options or {}), "lora_modules": modules}
 
 
 def _llm(model: str | None, engine_options: dict[str, Any] | None) -> Any:

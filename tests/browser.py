@@ -44,7 +44,7 @@ class Browser:
         self.session: str | None = None
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Network", "Runtime"):
+        for domain in ("Page", "Network", "Runtime", "Log"):
             self.call(f"{domain}.enable")
 
     def call(self, method: str, timeout: float = 60, **params: Any) -> dict[str, Any]:
@@ -76,7 +76,16 @@ class Browser:
         return got["result"].get("value")
 
     def until(self, expression: str, what: str, timeout: float = 60) -> Any:
-        return wait_for(lambda: self.js(expression), timeout, what, every=0.2)
+        return wait_for(lambda: self._between_pages(expression), timeout, what, every=0.2)
+
+    def _between_pages(self, expression: str) -> Any:
+        """``js(expression)``, or None while a navigation (a clicked link) replaces the page it ran in."""
+        try:
+            return self.js(expression)
+        except AssertionError as e:
+            if "Inspected target navigated or closed" in str(e) or "Cannot find context" in str(e):
+                return None
+            raise
 
     def open(self, url: str) -> None:
         self.call("Page.navigate", url=url)
@@ -89,6 +98,26 @@ class Browser:
 
     def urls(self) -> list[str]:
         return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
+
+    def problems(self, since: int = 0) -> list[str]:
+        """The errors a user would see in the DevTools console, among the events from ``since`` on: console
+        errors, uncaught exceptions, the browser's own error entries (a CSP violation, a resource that did
+        not load), failed requests and responses >= 400. A request cancelled by leaving the page is none."""
+        out = []
+        for e in self.events[since:]:
+            method, p = e.get("method"), e.get("params", {})
+            if method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+                out.append(f"console.{p['type']}: {[a.get('value', a.get('description')) for a in p.get('args', [])]}")
+            elif method == "Runtime.exceptionThrown":
+                details = p["exceptionDetails"]
+                out.append(f"uncaught: {details.get('exception', {}).get('description') or details.get('text')}")
+            elif method == "Log.entryAdded" and p["entry"]["level"] == "error":
+                out.append(f"log: {p['entry']['text']} {p['entry'].get('url', '')}")
+            elif method == "Network.loadingFailed" and not p.get("canceled"):
+                out.append(f"request failed: {p.get('errorText')} ({p.get('type')})")
+            elif method == "Network.responseReceived" and p["response"]["status"] >= 400:
+                out.append(f"HTTP {p['response']['status']}: {p['response']['url']}")
+        return out
 
     def close(self) -> None:
         try:

@@ -98,13 +98,31 @@ def test_the_page_needs_nothing_from_elsewhere(api: Api) -> None:
     files = [*(ROOT / "api" / "templates").glob("*.html"), *(ROOT / "api" / "static").iterdir()]
     assert len(files) >= 6
     for f in files:
-        text = f.read_text()
+        text = f.read_text().replace('xmlns="http://www.w3.org/2000/svg"', "")  # a name, never fetched
         assert not re.search(r"(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.I), f
         assert not re.search(r"<script>|\son\w+=", text), f
     for name, kind in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
         got = api.get(f"/dashboard/static/{name}", key=None)
         assert got.status_code == 200 and got.headers["content-type"].startswith(kind)
     assert api.get("/dashboard/static/..%2Fdashboard.py", key=None).status_code == 404
+
+
+def test_session_says_whether_a_key_is_needed_with_no_error_and_the_icon_is_served(api: Api, tmp_path: Path) -> None:
+    """The page's question (issue 42, item 6): 200 with or without the right key; the icon at both paths."""
+    for key, authorized in ((None, False), ("sk-wrong", False), (KEY, True)):
+        got = api.get("/dashboard/session", key=key)
+        assert got.status_code == 200 and got.json() == {"key_required": True, "authorized": authorized}, key
+    assert api.client.get("/dashboard/session", headers={"x-api-key": KEY}).json()["authorized"] is True
+    with sluice_home(tmp_path / "home"):
+        app = create_app(Settings(api_key=None, files_dir=tmp_path / "files"))
+        with TestClient(app) as client:
+            assert client.get("/dashboard/session").json() == {"key_required": False, "authorized": True}
+    page = api.get("/", key=None).text
+    assert '<link rel="icon" href="/dashboard/static/favicon.svg" type="image/svg+xml">' in page
+    for path in ("/favicon.ico", "/dashboard/static/favicon.svg"):
+        icon = api.get(path, key=None)
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml"), path
+        assert icon.text.startswith("<svg ") and icon.text.rstrip().endswith("</svg>")
 
 
 def test_download_links_are_signed_not_keyed(api: Api) -> None:

@@ -161,3 +161,74 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
         run_sluice("cancel", bid, env=up.env)
 
 
+def _refreshed(browser: Browser) -> None:
+    """The app shown and one whole refresh seen after its first: every fragment fetched at least twice."""
+    stamp = browser.until("!document.getElementById('app').hidden && "
+                          "document.getElementById('updated').textContent", "the app's first refresh")
+    browser.until(f"document.getElementById('updated').textContent !== {json.dumps(stamp)}", "a refresh")
+
+
+def _clean(browser: Browser, url: str, shows: str, since: int | None = None) -> None:
+    """Open ``url`` (unless ``since`` says it is open already) until it shows the login or the app; no
+    console error, failed request or response >= 400 meanwhile."""
+    mark = len(browser.events) if since is None else since
+    if since is None:
+        browser.open(url)
+    if shows == "login":
+        browser.until("!document.getElementById('login').hidden", f"the login on {url}")
+        assert browser.js("document.getElementById('app').hidden") is True
+    else:
+        _refreshed(browser)
+    assert browser.problems(mark) == [], (url, shows)
+
+
+def test_no_page_logs_a_console_error_logged_in_or_out(up: Up, tmp_path: Path) -> None:
+    """Issue 42, item 6: every dashboard page logged out, with a wrong key, logged in and logged out again
+    (SLUICE_API_KEY set), and on a server without a key: no console error, no failed request, no response
+    >= 400 (the page asks /dashboard/session whether to show its login); the icon loads as an image."""
+    rng = random.Random(fresh_seed())
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(simple_lines(rng, 3, max_tokens=2, prefix="console")) + "\n")
+    res = run_sluice("submit", str(src), "--json", env=up.env)
+    assert res.returncode == 0, res.stderr
+    bid = json.loads(res.stdout)["id"]
+    pages = ["/", f"/?after={bid}", f"/batches/{bid}"]
+    log = tmp_path / "open-serve.log"
+    open_proc = start_sluice("serve", "--port", "0", log=log,  # the same job server, no key
+                             env={k: v for k, v in up.env.items() if k != "SLUICE_API_KEY"})
+    browser = Browser(tmp_path / "profile")
+    try:
+        for page in pages:
+            _clean(browser, up.url + page, "login")
+        mark = len(browser.events)
+        browser.type_key("sk-wrong")
+        error = browser.until("document.getElementById('login-error').textContent", "the wrong key's error")
+        assert "refused" in error
+        _clean(browser, up.url, "login", since=mark)
+        mark = len(browser.events)
+        browser.type_key(KEY)
+        _clean(browser, up.url, "app", since=mark)
+        for page in pages:
+            _clean(browser, up.url + page, "app")
+        icon = browser.js("""Promise.all([document.querySelector('link[rel=icon]').href, '/favicon.ico'].map(
+            (src) => new Promise((done) => {
+                const img = new Image();
+                img.onload = () => done(img.naturalWidth);
+                img.onerror = () => done(-1);
+                img.src = src;
+            })))""")
+        assert icon == [32, 32]
+        mark = len(browser.events)
+        browser.js("document.getElementById('logout').click()")
+        _clean(browser, up.url, "login", since=mark)
+        _clean(browser, up.url + f"/batches/{bid}", "login")
+        assert browser.problems() == []  # and nothing before the marks either
+
+        open_url = wait_for_url(open_proc, log)
+        for page in pages:
+            _clean(browser, open_url + page, "app")
+            assert browser.js("document.getElementById('logout').hidden") is True
+    finally:
+        browser.close()
+        stop(open_proc)
+        run_sluice("cancel", bid, env=up.env)

@@ -91,6 +91,8 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
 def _engine(model: str | None, engine_kwargs: dict[str, Any], jobs: list[Job]) -> LLM | EmbeddingEngine:
     if is_embedding_model(model):
         assert model is not None
+        if engine_kwargs.get("lora_modules"):
+            raise ValueError("LoRA adapters (--lora) need a generation model, not an embedding model")
         return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))
     return LLM(model, **_fitted(engine_kwargs, jobs))
 

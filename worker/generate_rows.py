@@ -38,6 +38,7 @@ def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: 
     """Feed ``jobs`` to ``engine`` a window at a time (read on as requests finish) and give each result
     to ``writer`` as it finishes."""
     from sluice.worker.convert import completion_to_result, job_to_request
+    from sluice.worker.lora import job_adapter
     from tqdm import tqdm
 
     vocab = getattr(getattr(engine, "hf_config", None), "vocab_size", None)
@@ -52,7 +53,9 @@ def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: 
                     more = False
                     break
                 try:
-                    engine.add_request(job_to_request(job, vocab_size=vocab))
+                    request = job_to_request(job, vocab_size=vocab)
+                    request.lora = job_adapter(job.model, engine)  # a row naming "BASE:ADAPTER" (model_column)
+                    engine.add_request(request)
                 except ValueError as e:  # settings the engine refuses: that row's error
                     writer.add_error(RowError(job.line - 1, job.custom_id, "invalid_request", str(e)))
                     continue

@@ -60,6 +60,26 @@
     $("logout").hidden = !sessionStorage.getItem(STORE);
   }
 
+  async function start() {
+    // Ask first whether this tab's key (or none) may read the fragments: /dashboard/session answers 200
+    // either way, so a page that shows its login logs no 401 in the console.
+    clearTimeout(timer);
+    const key = sessionStorage.getItem(STORE);
+    try {
+      const answer = await get("/dashboard/session");
+      const session = answer.ok ? await answer.json() : { authorized: false };
+      if (!session.authorized) {
+        showLogin(key ? "That API key was refused: check SLUICE_API_KEY." : "");
+        return;
+      }
+    } catch (e) {
+      say(`The API did not answer (${e.message}); trying again.`);
+      timer = setTimeout(start, every);
+      return;
+    }
+    refresh();
+  }
+
   async function refresh() {
     clearTimeout(timer);
     try {
@@ -90,14 +110,15 @@
     sessionStorage.setItem(STORE, $("key").value);
     $("key").value = "";
     $("login-error").textContent = "";
-    refresh();
+    start();
   });
   $("logout").addEventListener("click", () => {
     sessionStorage.removeItem(STORE);
     showLogin("");
   });
   document.addEventListener("visibilitychange", () => {
-    if (!document.hidden) refresh();  // polling pauses while the tab is hidden
+    // Polling pauses while the tab is hidden; behind the login there is nothing to poll.
+    if (!document.hidden && !$("app").hidden) refresh();
   });
-  refresh();
+  start();
 })();

@@ -42,6 +42,7 @@ class RowSpec:
     template_file: str | None = None  # a Jinja template (path or fsspec URL); the row's columns are its variables
     system: str | None = None  # a system message before the text (chat only)
     id_column: str | None = None  # its value (text or integer) is the custom_id; default: the row number
+    model_column: str | None = None  # its text is the row's model: "BASE:ADAPTER" or a bare adapter runs a LoRA
     chat: bool = True  # the text is the user's message (False: a raw completion prompt)
     sampling_columns: bool = True  # per-row settings from columns named like sampling fields
 
@@ -64,7 +65,7 @@ class RowSpec:
 
     def columns_used(self) -> list[str]:
         """Columns every row must have (a template's fields; the prompt, messages and id columns)."""
-        cols = [c for c in (self.prompt_column, self.messages_column, self.id_column) if c]
+        cols = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column) if c]
         if self.template:
             cols += [_top_field(f) for _, f, _, _ in string.Formatter().parse(self.template) if f]
         return list(dict.fromkeys(cols))
@@ -183,6 +184,8 @@ class RowRenderer:
                 obj["prompt"] = text
         if self.spec.sampling_columns:
             obj.update(self._settings(row))
+        if self.spec.model_column:
+            obj.update(self._model(row))
         line = json.dumps(obj, ensure_ascii=False, default=json_default)
         if validate:
             try:
@@ -230,6 +233,17 @@ class RowRenderer:
             messages.append({"role": "system", "content": self.spec.system})
         messages.append({"role": "user", "content": text})
         return messages
+
+    def _model(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's model (null or empty: the engine's own, no adapter)."""
+        col = self.spec.model_column
+        assert col is not None
+        value = row.get(col)
+        if value is None or value == "":
+            return {}
+        if not isinstance(value, str):
+            raise _Bad("invalid_model", f"column {col!r} is a {type(value).__name__}, not a model name")
+        return {"model": value}
 
     def _settings(self, row: dict[str, Any]) -> dict[str, Any]:
         names = self.settings if self.settings is not None else [
