@@ -21,6 +21,7 @@ SCORE_URLS = (SCORE_URL, "/score")  # vLLM serves both
 RERANK_URLS = (RERANK_URL, "/rerank", "/v2/rerank")  # vLLM's aliases (Jina's and Cohere's paths)
 SCORING_URLS = SCORE_URLS + RERANK_URLS
 SCORE_KINDS = ("score", "rerank")
+SCORED_BY = ("embedding", "score")  # the workers that run them (a heartbeat's "serves"): embedding models, cross-encoders
 KIND_URLS = {"score": SCORE_URL, "rerank": RERANK_URL}  # a batch's endpoint, by its jobs' kind
 MAX_PAIRS = 2048  # pairs per request (as embeddings' inputs): all of them are in the one result the job writes
 
