@@ -307,3 +307,20 @@ def test_minilm_scores_equal_sentence_transformers_cos_sim(live: Live) -> None:
     _check_rerank(out["r"]["response"]["body"], docs, want_1n, 0, True, COS_TOL)
     assert _left_behind() == []
 
+
+
+@needs_st
+def test_sluice_generate_scores_in_process(tiny_cross_encoder: Path, cross_encoder: Any, tmp_path: Path) -> None:
+    """``sluice generate`` (no queue) picks the cross-encoder engine from config.json; its chat line fails alone."""
+    from sluice.worker.generate_file import generate_file
+
+    src, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    docs = ["sluice gate", "stone bank", "mill wheel"]
+    src.write_text("\n".join([
+        _line("r", "/rerank", {"query": "river gate", "documents": docs}),
+        _line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]) + "\n")
+    s = generate_file(src, out, err, model=str(tiny_cross_encoder), engine_kwargs={}, progress=False)
+    assert (s.completed, s.failed, s.bad_lines) == (1, 1, 0)
+    body = json.loads(out.read_text())["response"]["body"]
+    _check_rerank(body, docs, _predict(cross_encoder, [("river gate", d) for d in docs]), 0, True, CE_TOL)
+    assert "a /v1/chat/completions request cannot run on it" in json.loads(err.read_text())["error"]["message"]

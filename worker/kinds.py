@@ -10,8 +10,8 @@ from typing import Any
 from sluice.engine.cross_encoder import PairRequest
 from sluice.engine.embedding_engine import EmbeddingOutput, EmbeddingRequest
 from sluice.engine.outputs import Completion, Request
-from sluice.jobs.embeddings import encode_base64
-from sluice.jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
+from sluice.jobs.embeddings import EMBEDDINGS_URL, encode_base64
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, ErrorInfo, Job, Result, ResultTimings, ResultUsage
 from sluice.jobs.scoring import KIND_URLS, SCORE_KINDS
 from sluice.worker.convert import completion_to_result, job_to_request
 from sluice.worker.lora import job_adapter
@@ -44,12 +44,12 @@ def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingReques
 
 
 def _refusal(job: Job, kind: str) -> str:
-    url = KIND_URLS.get(job.kind, f"a {job.kind}")
+    url = {"chat": CHAT_URL, "completion": COMPLETIONS_URL, "embedding": EMBEDDINGS_URL, **KIND_URLS}.get(job.kind)
     if kind == EMBEDDING:
         return (f"this model serves embeddings: a {job.kind} request cannot run on it "
                 "(send /v1/embeddings, /v1/score or /v1/rerank lines, or use a generation model's queue)")
     if kind == SCORE:
-        return (f"this model is a cross-encoder (it scores pairs of texts): a {job.kind} request cannot run on it "
+        return (f"this model is a cross-encoder (it scores pairs of texts): a {url} request cannot run on it "
                 "(send /v1/score or /v1/rerank lines)")
     if job.kind in SCORE_KINDS:
         return (f"this model generates text: a {url} request cannot run on it (send it to an embedding or "
