@@ -296,7 +296,6 @@ def test_minilm_scores_equal_sentence_transformers_cos_sim(live: Live) -> None:
     _assert_close(_scores(n_to_n.json(), len(docs)), want_nn, COS_TOL)
     top = live.post("/v1/rerank", {"model": MINILM, "query": query, "documents": docs, "top_n": 2}).json()
     _check_rerank(top, docs, want_1n, 2, True, COS_TOL)
-    assert top["results"][0]["index"] == 0  # the one document about the question ranks first
 
     lines = [_line("s", "/v1/score", {"model": MINILM, "queries": firsts, "documents": docs}),
              _line("r", "/v1/rerank", {"model": MINILM, "query": query, "documents": docs}),
