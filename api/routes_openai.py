@@ -35,6 +35,7 @@ from sluice.jobs.interactive import Delta, Waiter
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import completion_body
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, Result
+from sluice.jobs.scoring import SCORE_KINDS, SCORED_BY
 from sluice.jobs.store import served_kinds
 from sluice.jobs.submit import UnknownModel, resolve_model, submit_job
 from starlette.concurrency import run_in_threadpool
@@ -59,9 +60,14 @@ async def completions(request: Request, body: Annotated[dict[str, Any], Body()])
 
 @router.post("/v1/embeddings", summary="Embeddings, computed on the queue (OpenAI's shape)")
 async def embeddings(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
+    return await serve_once(request, body, EMBEDDINGS_URL)
+
+
+async def serve_once(request: Request, body: dict[str, Any], url: str) -> Any:
+    """A request that is never streamed (embeddings, scores): one job, its one answer."""
     state = get_state(request)
-    job = _parse(body, EMBEDDINGS_URL, state.settings.max_prompt_chars)  # ``stream`` is not one of its fields
-    call = await run_in_threadpool(_queue, state, job, EMBEDDINGS_URL)
+    job = _parse(body, url, state.settings.max_prompt_chars)  # ``stream`` is not one of its fields
+    call = await run_in_threadpool(_queue, state, job, url)
     try:
         return await _answer(request, call)
     finally:
@@ -158,15 +164,15 @@ def _queue(state: AppState, job: Job, url: str) -> _Call:
 def _check_kind(r: redis.Redis, queue: str, job: Job, url: str) -> None:
     """Refuse a request for the other kind of model than the queue's live workers serve (its worker would
     fail it anyway: this answers at once, and without a worker's round trip). No live worker: no check."""
-    want = "embedding" if job.kind == "embedding" else "generation"
+    want = {"embedding"} if job.kind == "embedding" else set(SCORED_BY) if job.kind in SCORE_KINDS else {"generation"}
     kinds = served_kinds(r).get(queue)
-    if not kinds or want in kinds:
+    if not kinds or want & kinds:
         return
-    if want == "embedding":
-        why = f"model {queue!r} generates text: {url} needs an embedding model"
-    else:
-        why = f"model {queue!r} serves embeddings: {url} needs a text generation model (use /v1/embeddings)"
-    raise ApiError(400, why, code="model_not_supported", param="model")
+    does = {"generation": "generates text", "embedding": "serves embeddings",
+            "score": "is a cross-encoder (it scores pairs of texts)"}.get(sorted(kinds)[0], "serves another kind")
+    needs = ("an embedding model" if job.kind == "embedding" else "an embedding or cross-encoder model"
+             if job.kind in SCORE_KINDS else "a text generation model")
+    raise ApiError(400, f"model {queue!r} {does}: {url} needs {needs}", code="model_not_supported", param="model")
 
 
 def _waiter(request: Request, call: _Call, deltas: bool) -> Waiter:

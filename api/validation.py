@@ -16,18 +16,21 @@ from sluice.api.errors import ApiError
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
+from sluice.jobs.scoring import KIND_URLS, score_chars
 
 MAX_REPORTED = 20
 
 
 def job_endpoint(job: Job) -> str:
-    return {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL}.get(job.kind, COMPLETIONS_URL)
+    return {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL, **KIND_URLS}.get(job.kind, COMPLETIONS_URL)
 
 
 def prompt_chars(job: Job) -> int:
     """The size the prompt limit applies to: characters of text, or a count of token ids."""
     if job.messages is not None:
         return sum(len(m["content"]) for m in job.messages)
+    if job.score is not None:
+        return score_chars(job.score)
     if job.input is not None:  # an embedding job: a string, strings, token ids, or lists of them
         items = [job.input] if isinstance(job.input, str) else job.input
         return sum(len(x) if isinstance(x, str | list) else 1 for x in items)

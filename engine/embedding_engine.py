@@ -100,9 +100,7 @@ class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
     def __init__(self, model: str, **config: Any) -> None:
         super().__init__()
         self.config = EmbeddingConfig(**config)
-        self.model: EmbeddingModel = load_embedding_model(model, _DTYPES[self.config.dtype], self.config.device,
-                                                          self.config.pooling, self.config.matryoshka,
-                                                          self.config.cpu_linear, self.config.cpu_attention)
+        self.model: EmbeddingModel = self._load(model)
         self.tokenizer = self.model.tokenizer
         self.model_impl = "transformers"
         self.device = torch.device(self.config.device)
@@ -118,6 +116,11 @@ class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
                  self.model.path.name,
                  self.model.pooling.mode, " + normalize" if self.model.pooling.normalize else "",
                  self.dimension, self.max_model_len, self.model.cpu_linear, self.model.attention)
+
+    def _load(self, model: str) -> EmbeddingModel:
+        c = self.config
+        return load_embedding_model(model, _DTYPES[c.dtype], c.device, c.pooling, c.matryoshka, c.cpu_linear,
+                                    c.cpu_attention)
 
     # ---- the numbers a puller needs -------------------------------------------------------------
     @property

@@ -97,13 +97,19 @@ class EmbeddingModel:
     attention: str = "sdpa"  # transformers' attn_implementation: sdpa | sluice_encoder (engine/encoder_attention.py)
 
     @torch.inference_mode()
-    def embed(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, lengths: torch.Tensor,
+              token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded ``input_ids`` [batch, seq] of ``lengths`` -> pooled vectors [batch, dim], float32,
         not yet normalised (engine/pooling.finish_vector does that, per request)."""
-        mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
-        with sequence_lengths(lengths):
-            out = self.net(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device))
+        out = self.forward(input_ids, lengths, token_type_ids)
         return pool(out.last_hidden_state.cpu(), lengths, self.pooling.mode)
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor, token_type_ids: torch.Tensor | None) -> Any:
+        """The network's output on right-padded ``input_ids`` (segment ids where given)."""
+        mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids.to(self.device)}
+        with sequence_lengths(lengths):
+            return self.net(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), **extra)
 
 
 def load_embedding_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -23,6 +23,7 @@ class Item:
     request_id: str
     index: int
     token_ids: list[int]
+    token_type_ids: list[int] | None = None  # a pair's segment ids (a cross-encoder's input), where the tokenizer has them
 
 
 class LengthPool:
@@ -103,6 +104,9 @@ def run_batch(model: EmbeddingModel, items: list[Item]) -> torch.Tensor:
     lengths = torch.tensor([len(it.token_ids) for it in items])
     pad = int(model.tokenizer.pad_token_id or 0)  # any id: padded positions are masked and never pooled
     ids = torch.full((len(items), int(lengths.max())), pad, dtype=torch.long)
+    types = None if items[0].token_type_ids is None else torch.zeros_like(ids)
     for row, it in enumerate(items):
         ids[row, : len(it.token_ids)] = torch.tensor(it.token_ids, dtype=torch.long)
-    return model.embed(ids, lengths)
+        if types is not None and it.token_type_ids is not None:
+            types[row, : len(it.token_type_ids)] = torch.tensor(it.token_type_ids, dtype=torch.long)
+    return model.embed(ids, lengths, types)

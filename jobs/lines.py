@@ -25,6 +25,7 @@ from sluice.jobs.schemas import (
     LineErrorInfo,
     SamplingParams,
 )
+from sluice.jobs.scoring import SCORING_URLS, scoring_fields
 
 _DEFAULT_PARAMS = SamplingParams()
 
@@ -144,8 +145,11 @@ def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         fields, sampling = _completions_body(body)
     elif url == EMBEDDINGS_URL:
         fields, sampling = _embedding_body(body), {}
+    elif url in SCORING_URLS:
+        fields, sampling = scoring_fields(url, body), {}
     else:
-        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, not {url!r}")
+        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {EMBEDDINGS_URL}, /v1/score or /v1/rerank, "
+                         f"not {url!r}")
     fields["custom_id"] = custom_id
     if isinstance(body.get("model"), str):
         fields["model"] = body["model"]

@@ -7,6 +7,7 @@ from typing import Any
 from sluice.jobs.embeddings import decode_base64, embedding_response
 from sluice.jobs.keys import DEFAULT_QUEUE
 from sluice.jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
+from sluice.jobs.scoring import SCORE_KINDS, scoring_body
 
 # ---- rendering a Result as an OpenAI batch output line -----------------------------------------
 _BATCH_ERROR_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
@@ -42,6 +43,9 @@ def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     kind = job.kind if job is not None else result.kind
     if kind == "embedding":
         return embedding_body(job, result)
+    if kind in SCORE_KINDS:
+        return scoring_body(kind, result.job_id, (job.model if job is not None else None) or result.model or DEFAULT_QUEUE,
+                            result.scores or [], result.usage.prompt_tokens, int(result.timings.finished or 0))
     choices = result.choices or [Choice(index=0, text=result.text, finish_reason=result.finish_reason or "stop")]
     created = int(result.timings.finished or 0)
     u = result.usage

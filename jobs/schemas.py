@@ -17,10 +17,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from sluice.jobs.scoring import SCORE_KINDS, ScoreEntry, ScoreInput
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-JobKind = Literal["chat", "completion", "embedding"]
+JobKind = Literal["chat", "completion", "embedding", "score", "rerank"]
 JobStatus = Literal["completed", "failed", "cancelled", "expired"]
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -159,6 +160,7 @@ class Job(BaseModel):
     input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
+    score: ScoreInput | None = None  # score and rerank jobs (/v1/score, /v1/rerank): jobs/scoring.py
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
@@ -170,6 +172,12 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> Job:
+        if (self.kind in SCORE_KINDS) != (self.score is not None):
+            raise ValueError("score is for score and rerank jobs, and those need score")
+        if self.score is not None:
+            if any(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages, self.input)):
+                raise ValueError("a score job takes score, not prompt, messages or input")
+            return self
         if self.kind == "embedding" or self.input is not None:
             if self.kind != "embedding" or self.input is None:
                 raise ValueError("input is for embedding jobs, and an embedding job needs input")
@@ -249,6 +257,7 @@ class Result(BaseModel):
     # numbers' size); jobs/openai_output.py renders them in the job's encoding_format.
     embeddings: list[str] | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    scores: list[ScoreEntry] | None = None  # a score or rerank job's (jobs/scoring.py renders them)
 
 
 class BatchCounts(BaseModel):

@@ -31,6 +31,7 @@ from sluice.jobs.schemas import (
     LineErrorInfo,
     SamplingParams,
 )
+from sluice.jobs.scoring import KIND_URLS
 from sluice.jobs.scripts import Scripts, enqueue, finish, transition
 from sluice.jobs.settings import MAX_DELIVERIES_KEY, parse_max_deliveries
 from sluice.jobs.store import delete_batch, get_batch, retire_batch, served_queues, sweep_all
@@ -170,7 +171,7 @@ class _Submission:
             return
         self.seen.add(job.custom_id)
         if self.endpoint is None:
-            self.endpoint = {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL}.get(job.kind, COMPLETIONS_URL)
+            self.endpoint = {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL, **KIND_URLS}.get(job.kind, COMPLETIONS_URL)
             self.r.hset(keys.meta(self.bid), "endpoint", self.endpoint)
         if "priority" not in job.model_fields_set:
             job.priority = self.priority

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.cross_encoder import CrossEncoderEngine, is_cross_encoder_model
 from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
 from sluice.engine.embedding_model import is_embedding_model
 from sluice.engine.llm import LLM
@@ -24,7 +25,7 @@ from sluice.jobs.jsonl import values_in
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import ErrorInfo, Job, Result, SamplingParams
-from sluice.worker.kinds import EMBEDDING, engine_request, engine_result, serves
+from sluice.worker.kinds import GENERATION, engine_request, engine_result, serves
 from sluice.worker.progress import generate
 from sluice.worker.run import embedding_kwargs
 
@@ -81,7 +82,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
             except ValueError as e:
                 write_result(j, Result(job_id=j.id, custom_id=j.custom_id, kind=j.kind, status="failed",
                                        error=ErrorInfo(code="invalid_request", message=str(e))))
-        if serves(engine) == EMBEDDING:
+        if serves(engine) != GENERATION:  # embeddings or scores: one forward pass each, no generation loop
             _embed(engine, requests, write)  # type: ignore[arg-type]
         else:
             generate(engine, requests, progress, on_finish=write)  # type: ignore[arg-type]
@@ -89,6 +90,9 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
 
 
 def _engine(model: str | None, engine_kwargs: dict[str, Any], jobs: list[Job]) -> LLM | EmbeddingEngine:
+    if is_cross_encoder_model(model):
+        assert model is not None
+        return CrossEncoderEngine(model, **embedding_kwargs(engine_kwargs))
     if is_embedding_model(model):
         assert model is not None
         if engine_kwargs.get("lora_modules"):

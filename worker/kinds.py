@@ -1,19 +1,25 @@
-"""What a worker's engine serves (generation or embeddings), and the job <-> engine conversions for
-each: an embeddings line on a generation model's queue, or the reverse, fails that job alone."""
+"""What a worker's engine serves (generation, embeddings, or scores: a cross-encoder), and the job <->
+engine conversions for each: an embeddings line on a generation model's queue, a score line on a model
+that cannot score, or the reverse, fails that job alone."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from sluice.engine.cross_encoder import PairRequest
 from sluice.engine.embedding_engine import EmbeddingOutput, EmbeddingRequest
 from sluice.engine.outputs import Completion, Request
-from sluice.jobs.embeddings import encode_base64
-from sluice.jobs.schemas import ErrorInfo, Job, Result, ResultTimings, ResultUsage
+from sluice.jobs.embeddings import EMBEDDINGS_URL, encode_base64
+from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, ErrorInfo, Job, Result, ResultTimings, ResultUsage
+from sluice.jobs.scoring import KIND_URLS, SCORE_KINDS
 from sluice.worker.convert import completion_to_result, job_to_request
 from sluice.worker.lora import job_adapter
+from sluice.worker.scoring import score_request, score_result
 
-GENERATION, EMBEDDING = "generation", "embedding"
+GENERATION, EMBEDDING, SCORE = "generation", "embedding", "score"
+# The job kinds each kind of engine runs: an embedding model scores by cosine, a cross-encoder by its classifier.
+_RUNS = {GENERATION: ("chat", "completion"), EMBEDDING: ("embedding", *SCORE_KINDS), SCORE: SCORE_KINDS}
 
 
 def serves(engine: Any) -> str:
@@ -21,16 +27,14 @@ def serves(engine: Any) -> str:
     return getattr(engine, "serves", GENERATION)
 
 
-def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingRequest:
+def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingRequest | PairRequest:
     """The engine request of a job; a ValueError (the job fails as invalid_request) when the engine
-    serves the other kind, or refuses the job's settings."""
+    serves another kind, or refuses the job's settings."""
     kind = serves(engine)
-    if (job.kind == "embedding") != (kind == EMBEDDING):
-        if kind == EMBEDDING:
-            raise ValueError(f"this model serves embeddings: a {job.kind} request cannot run on it "
-                             "(send /v1/embeddings lines, or use a generation model's queue)")
-        raise ValueError("this model generates text: a /v1/embeddings request cannot run on it "
-                         "(send it to an embedding model's queue)")
+    if job.kind not in _RUNS.get(kind, ()):
+        raise ValueError(_refusal(job, kind))
+    if job.kind in SCORE_KINDS:
+        return score_request(job, rid, kind)
     if kind == EMBEDDING:
         assert job.input is not None
         return EmbeddingRequest(rid, job.input, job.dimensions)
@@ -39,13 +43,32 @@ def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingReques
     return req
 
 
-def probe_request(probe: Request, engine: Any) -> Request | EmbeddingRequest:
+def _refusal(job: Job, kind: str) -> str:
+    url = {"chat": CHAT_URL, "completion": COMPLETIONS_URL, "embedding": EMBEDDINGS_URL, **KIND_URLS}.get(job.kind)
+    if kind == EMBEDDING:
+        return (f"this model serves embeddings: a {job.kind} request cannot run on it "
+                "(send /v1/embeddings, /v1/score or /v1/rerank lines, or use a generation model's queue)")
+    if kind == SCORE:
+        return (f"this model is a cross-encoder (it scores pairs of texts): a {url} request cannot run on it "
+                "(send /v1/score or /v1/rerank lines)")
+    if job.kind in SCORE_KINDS:
+        return (f"this model generates text: a {url} request cannot run on it (send it to an embedding or "
+                "cross-encoder model's queue)")
+    return "this model generates text: a /v1/embeddings request cannot run on it (send it to an embedding model's queue)"
+
+
+def probe_request(probe: Request, engine: Any) -> Request | EmbeddingRequest | PairRequest:
     """The isolation probe (a generation request) in the engine's own kind."""
-    return EmbeddingRequest(probe.request_id, "probe") if serves(engine) == EMBEDDING else probe
+    kind = serves(engine)
+    if kind == SCORE:
+        return PairRequest(probe.request_id, [("probe", "probe")])
+    return EmbeddingRequest(probe.request_id, "probe") if kind == EMBEDDING else probe
 
 
 def engine_result(job: Job, out: Completion | EmbeddingOutput, engine: Any, *, started: float | None,
                   worker: str | None, model: str | None) -> Result:
+    if isinstance(out, EmbeddingOutput) and job.kind in SCORE_KINDS:
+        return score_result(job, out, serves(engine), started=started, worker=worker, model=model)
     if isinstance(out, EmbeddingOutput):
         return embedding_result(job, out, started=started, worker=worker, model=model)
     return completion_to_result(job, out, engine.tokenizer, started=started, worker=worker, model=model)

@@ -29,10 +29,15 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     o = WorkerOptions(queue=queue or queue_name(model), **{k: v for k, v in kwargs.items() if k in names})
     factory = None
     if llm is None:
+        from sluice.engine.cross_encoder import is_cross_encoder_model
         from sluice.engine.embedding_model import is_embedding_model
         from sluice.engine.models.base import UnsupportedModelError
 
         def factory() -> Engine:
+            if is_cross_encoder_model(model):  # before is_embedding_model: a CrossEncoder may have modules.json
+                from sluice.engine.cross_encoder import CrossEncoderEngine
+                assert model is not None
+                return CrossEncoderEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
             if model is not None and is_embedding_model(model):
                 from sluice.engine.embedding_engine import EmbeddingEngine
                 return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]

@@ -25,7 +25,7 @@ from sluice.jobs.settings import retry_backoff
 from sluice.worker.drain import Draining
 from sluice.worker.held import Held
 from sluice.worker.isolation import EngineSick, Isolation, culprit_error
-from sluice.worker.kinds import engine_request, engine_result, probe_request, serves
+from sluice.worker.kinds import GENERATION, engine_request, engine_result, probe_request, serves
 from sluice.worker.lora import adapter_names, job_adapter
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.options import EngineFactory, WorkerOptions, WorkerReport
@@ -201,7 +201,7 @@ class Worker(Draining):
         # Its KV need (an embedding's: its tokens), known now without tokenizing the prompt a second
         # time, informs the next pulls.
         p, u = h.job.params, res.usage
-        new = 0 if h.job.kind == "embedding" else p.max_tokens
+        new = p.max_tokens if serves(self.llm) == GENERATION else 0
         self.puller.observe(p.n * -(-(u.prompt_tokens + new) // self.block_size))
         job_finished(h, c, self.id)  # its trace's worker spans (tracing on)
         self.session.put(h.d, res)
