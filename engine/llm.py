@@ -60,7 +60,7 @@ class LLM(Intake[_RequestState, Completion]):
         super().__init__()
         clock = StartupClock()
         self.config = EngineConfig(model=model, **config)
-        if self.config.lora_modules:
+        if self.config.serves_lora:
             require_peft()  # before the model loads: one line now, not each adapter line failing later
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
@@ -126,6 +126,8 @@ class LLM(Intake[_RequestState, Completion]):
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
+        if self.lora is not None:
+            self.lora.in_use = self.scheduler.lora_in_use  # never evicted from under a running sequence
         self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
         self._seq_ids = itertools.count()
@@ -309,10 +311,11 @@ class LLM(Intake[_RequestState, Completion]):
         self.lora.check(request.lora)  # a LoraError (a ValueError) fails this request only
 
     def _lora_manager(self, net: torch.nn.Module) -> LoraManager | None:
-        if not self.config.lora_modules:
+        c = self.config
+        if not c.serves_lora:
             return None
-        return LoraManager(net, self.model_impl, self.config.lora_modules, self.config.max_loras,
-                           self.config.max_lora_rank, self.device, self.dtype)
+        return LoraManager(net, self.model_impl, c.lora_modules or {}, c.max_loras, c.max_lora_rank, self.device,
+                           self.dtype, c.lora_roots or (), c.max_cpu_loras)
 
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
         p = request.params
