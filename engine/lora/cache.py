@@ -2,7 +2,8 @@
 may use) and at most ``host_capacity`` read and checked in CPU memory, both least recently used first out.
 
 An adapter is read from storage (engine/lora/sources.py) into the CPU cache when a request first names it
-(so a bad one fails that request), and copied into a slot when a step first runs it. Neither level evicts an
+(so a bad one fails that request), and copied into a slot when a step first runs it; a request naming one
+that was read and checked before, but left the CPU cache since, has it read again when a step runs it. Neither level evicts an
 adapter in ``keep`` (those of running sequences: the scheduler admits at most ``capacity`` adapters at once,
 so a slot is free or can be freed when a step needs one; the CPU cache, never smaller, may hold one more while
 all its entries run). A slot holds only what the CPU cache holds: leaving the one, an adapter leaves both. A
@@ -23,7 +24,7 @@ from sluice.engine.lora.sources import adapter_folder, check_root
 # A root-resolved adapter that failed to load is refused without reading again for this long (a batch's
 # thousand lines naming a missing one cost one lookup), then looked up afresh (it may have been uploaded).
 ERROR_TTL_S = 30.0
-MAX_REMEMBERED_ERRORS = 1024  # lines naming ever new missing adapters must not grow the worker's memory
+MAX_REMEMBERED = 4096  # names known good or bad: lines naming ever new adapters must not grow the worker's memory
 HOST_PER_SLOT = 4  # the CPU cache's default size: this many adapters per engine slot
 
 
@@ -46,6 +47,7 @@ class AdapterCache:
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # read and checked, in CPU memory
         # Adapters that failed to load: (why, when); a registered one's error is kept for good.
         self.errors: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.valid: OrderedDict[str, None] = OrderedDict()  # adapters that loaded and checked once
         self.num_loads = 0  # reads from storage
         self.num_slot_loads = 0  # copies into a slot
 
@@ -53,6 +55,15 @@ class AdapterCache:
     def loaded(self) -> list[str]:
         """The adapters in memory (a slot or the CPU cache), sorted."""
         return sorted(set(self.host) | set(self.resident))
+
+    def validate(self, name: str, keep: set[str] | frozenset[str] = frozenset()) -> LoraAdapter | None:
+        """Raise LoraError unless requests may name ``name``: read and checked now unless it was already
+        (then None if it is not in memory: it is read again when a step needs it, not now, so a queue of
+        lines over more adapters than the CPU cache holds does not read each of them twice)."""
+        if name in self.valid and name not in self.host:
+            self.valid.move_to_end(name)
+            return None
+        return self.check(name, keep)
 
     def check(self, name: str, keep: set[str] | frozenset[str] = frozenset()) -> LoraAdapter:
         """``name``'s weights in CPU memory, read and checked against the model if they are not; LoraError
@@ -66,11 +77,16 @@ class AdapterCache:
             with adapter_folder(name, self.paths.get(name), self.roots) as (where, folder):
                 adapter = read_adapter(name, folder, self.targets, self.max_rank, torch.device("cpu"), self.dtype,
                                        where)
-        except LoraError as e:
+        except LoraError as e:  # read again and broken now: its next request fails at once, with the reason
+            self.valid.pop(name, None)
             self._remember(name, str(e))
             raise
         self.num_loads += 1
         self.errors.pop(name, None)
+        self.valid[name] = None
+        self.valid.move_to_end(name)
+        while len(self.valid) > MAX_REMEMBERED:
+            self.valid.popitem(last=False)
         for gone in self._evict(self.host, self.host_capacity - 1, keep):
             self.resident.pop(gone, None)  # a slot holds only what the CPU cache holds
         self.host[name] = adapter
@@ -102,7 +118,7 @@ class AdapterCache:
     def _remember(self, name: str, error: str) -> None:
         self.errors[name] = (error, time.monotonic())
         self.errors.move_to_end(name)
-        while len(self.errors) > MAX_REMEMBERED_ERRORS:
+        while len(self.errors) > MAX_REMEMBERED:
             self.errors.popitem(last=False)
 
     @staticmethod

@@ -69,7 +69,9 @@ class LoraManager:
     def check(self, name: str) -> None:
         """Raise LoraError unless requests may name ``name`` (registered or under a root, and loads against the
         model); read into the CPU cache if it is not there."""
-        self._hook(self.cache.check(name, self.in_use()))
+        adapter = self.cache.validate(name, self.in_use())
+        if adapter is not None:  # None: checked and hooked before
+            self._hook(adapter)
 
     def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
         """Tell the hooks which packed rows take which adapter in the coming forward pass (fastest with the
