@@ -38,7 +38,7 @@ from sluice.engine.quant.checkpoint import read_weight_scales
 from sluice.engine.quant.int8 import quantize_linears
 from sluice.engine.quant.methods import pick_impl, plan_quantization
 from sluice.engine.reasoning import attach_thinking, find_parser, split_output
-from sluice.engine.scheduler import Scheduler
+from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.startup_clock import StartupClock
 
@@ -225,6 +225,7 @@ class LLM(Intake[_RequestState, Completion]):
         """Run one iteration; return the requests that finished in it."""
         done = self._take_rejected()
         batch = self.scheduler.schedule()
+        done += self._fail_unloadable(batch)
         if not len(batch):
             return done
         self.num_steps += 1
@@ -327,6 +328,24 @@ class LLM(Intake[_RequestState, Completion]):
         if p.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         return seq
+
+    def _fail_unloadable(self, batch: ScheduledBatch) -> list[Completion]:
+        """Requests whose adapter, checked when they came but out of memory since, cannot be read again now
+        (its files removed or broken meanwhile): failed with the reason and taken out of the step's batch."""
+        broken = self.lora.prepare([s.lora for s in batch.seqs]) if self.lora is not None else {}
+        if not broken:
+            return []
+        failed = []
+        for rid in dict.fromkeys(s.request_id for s in batch.seqs if s.lora in broken):
+            state = self.requests.pop(rid)
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "error")
+            failed.append(_error_completion(state.request, broken[state.seqs[0].lora or ""], state.arrival_time))
+        kept = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if s.lora not in broken]
+        batch.seqs[:] = [s for s, _ in kept]
+        batch.num_new_tokens[:] = [n for _, n in kept]
+        return failed
 
     def _completion(self, state: _RequestState) -> Completion:
         outs = [CompletionOutput(s.index, s.detok.text if s.detok else "", s.output_token_ids, s.finish_reason or "abort",

@@ -186,6 +186,28 @@ def test_corrupt_and_mismatched_adapters_fail_their_requests_only(roots: Roots, 
     assert "cannot read" in (again[0].error or "") and llm.lora.cache.num_loads == loads  # type: ignore[union-attr]
 
 
+def test_an_adapter_broken_after_it_was_checked_fails_its_requests_only(roots: Roots, tmp_path: Path) -> None:
+    """Checked when its request came, out of memory since, its file broken meanwhile: read again when a step
+    needs it, that fails its requests with the reason; the step's other requests run."""
+    root = tmp_path / "root"
+    for name in ("a0", "a1"):
+        shutil.copytree(roots.root / name, root / name)
+    llm = LLM(str(roots.base), dtype="float32", kv_cache_memory=16 << 20, lora_roots=[str(root)], max_loras=1,
+              max_cpu_loras=1)
+    rng = random.Random(fresh_seed())
+    p = random_prompts(rng, 3, 3, 20)
+    rows: list[tuple[str | None, list[int]]] = [("a0", p[0]), ("a1", p[1]), (None, p[2])]
+    for req in _requests(rows):
+        llm.add_request(req)  # each checked (a1 pushes a0 out of the CPU cache of one)
+    (root / "a0" / "adapter_model.safetensors").write_bytes(b"broken since")
+    done: dict[str, Completion] = {}
+    while llm.has_unfinished():
+        done.update((c.request_id, c) for c in llm.step())
+    assert "cannot read" in (done["r0"].error or "") and "a0" in (done["r0"].error or "")
+    roots.check(rows[1:], [done["r1"], done["r2"]])
+    assert llm.num_free_blocks == llm.num_total_blocks
+
+
 def _rename_target(src: Path, dst: Path) -> None:
     """A copy of adapter ``src`` whose weights name modules the base does not have (``q_proj`` -> ``x_q_proj``)."""
     from safetensors.torch import load_file, save_file

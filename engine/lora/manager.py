@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from sluice.engine.lora.adapters import LoraAdapter, Target
+from sluice.engine.lora.adapters import LoraAdapter, LoraError, Target
 from sluice.engine.lora.batch import adapter_runs
 from sluice.engine.lora.cache import AdapterCache
 from sluice.engine.lora.layers import (
@@ -72,6 +72,18 @@ class LoraManager:
         adapter = self.cache.validate(name, self.in_use())
         if adapter is not None:  # None: checked and hooked before
             self._hook(adapter)
+
+    def prepare(self, names: Sequence[str | None]) -> dict[str, str]:
+        """Read into the CPU cache the step's adapters that left it; those that fail now -> the reason."""
+        used = {n for n in names if n is not None}
+        keep = used | self.in_use()
+        broken = {}
+        for name in used:
+            try:
+                self.cache.check(name, keep)
+            except LoraError as e:
+                broken[name] = str(e)
+        return broken
 
     def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
         """Tell the hooks which packed rows take which adapter in the coming forward pass (fastest with the
