@@ -78,11 +78,32 @@ def with_lora_options(f: Any) -> Any:
     return f
 
 
-def lora_kwargs(lora_modules: dict[str, str], max_loras: int, max_lora_rank: int) -> dict[str, Any]:
-    """The engine settings of with_lora_options' flags (none without an adapter)."""
-    if not lora_modules:
+def lora_kwargs(lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
+                lora_roots: tuple[str, ...] = (), max_cpu_loras: int | None = None) -> dict[str, Any]:
+    """The engine settings of with_lora_options' (and the worker's lora_root_options') flags; none without
+    an adapter or a root."""
+    if not lora_modules and not lora_roots:
         return {}
-    return {"lora_modules": lora_modules, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+    kw: dict[str, Any] = {"lora_modules": lora_modules, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+    if lora_roots:
+        kw.update(lora_roots=list(lora_roots), max_cpu_loras=max_cpu_loras)
+    return kw
+
+
+# Adapters loaded when a line names them (engine/lora/sources.py): the worker's only.
+lora_root_options = [
+    click.option("--lora-root", "lora_roots", multiple=True, metavar="DIR_OR_URL",
+                 help="Where adapters not loaded are loaded from when a line names BASE:NAME (ROOT/NAME, a peft "
+                      "folder): a folder or an fsspec prefix such as s3://bucket/adapters/; repeatable."),
+    click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,
+                 help="Loaded adapters kept in CPU memory.  [default: 4 x --max-loras]"),
+]
+
+
+def with_lora_root_options(f: Any) -> Any:
+    for option in reversed(lora_root_options):
+        f = option(f)
+    return f
 
 
 def _given(**opts: Any) -> dict[str, Any]:
@@ -103,6 +124,7 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @with_engine_options
 @with_worker_options
 @with_lora_options
+@with_lora_root_options
 @env_option("--worker-id", envvar="SLUICE_WORKER_ID", default=None, help="[default: <host>/<device>]")
 @click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
               help="Stop after this many seconds with nothing to do.")
@@ -113,14 +135,14 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
                queue: str | None, metrics_port: int | None,
                grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
                lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
-               worker_id: str | None, exit_when_idle: float | None) -> None:
+               lora_roots: tuple[str, ...], max_cpu_loras: int | None, worker_id: str | None, exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine(model)
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget,
                            tensor_parallel_size)
-    engine.update(lora_kwargs(lora_modules, max_loras, max_lora_rank))
+    engine.update(lora_kwargs(lora_modules, max_loras, max_lora_rank, lora_roots, max_cpu_loras))
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle,
                          **_given(max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl))

@@ -48,6 +48,10 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Where adapters no one registered are loaded from when a request names them (engine/lora/sources.py):
+    # local folders or fsspec prefixes; and how many loaded adapters CPU memory keeps (None: 4 x max_loras).
+    lora_roots: tuple[str, ...] | list[str] | None = None
+    max_cpu_loras: int | None = None
     # Ranks (processes, one device each on CUDA) that split every layer (engine/parallel/). The KV cache
     # budget (kv_cache_memory) is per rank: each holds its own share of the KV heads.
     tensor_parallel_size: int = 1
@@ -65,7 +69,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.lora_modules or self.quantization != "auto"):
+        if self.tensor_parallel_size > 1 and (self.serves_lora or self.quantization != "auto"):
             # the split layers (engine/parallel/) shard dense weights and know no adapter hooks yet
             raise ValueError("tensor_parallel_size > 1 runs dense weights without LoRA adapters for now: drop "
                              "--quantization or --lora, or run on one device")
@@ -73,3 +77,9 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, not {self.cpu_linear!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules or self.lora_roots)

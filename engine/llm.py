@@ -38,7 +38,7 @@ from sluice.engine.quant.checkpoint import read_weight_scales
 from sluice.engine.quant.int8 import quantize_linears
 from sluice.engine.quant.methods import pick_impl, plan_quantization
 from sluice.engine.reasoning import attach_thinking, find_parser, split_output
-from sluice.engine.scheduler import Scheduler
+from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.startup_clock import StartupClock
 
@@ -60,7 +60,7 @@ class LLM(Intake[_RequestState, Completion]):
         super().__init__()
         clock = StartupClock()
         self.config = EngineConfig(model=model, **config)
-        if self.config.lora_modules:
+        if self.config.serves_lora:
             require_peft()  # before the model loads: one line now, not each adapter line failing later
         self.device = _pick_device(self.config.device)
         src = resolve_model(model)  # once: every load below reads this source
@@ -126,6 +126,8 @@ class LLM(Intake[_RequestState, Completion]):
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
+        if self.lora is not None:
+            self.lora.in_use = self.scheduler.lora_in_use  # never evicted from under a running sequence
         self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
         self._seq_ids = itertools.count()
@@ -223,6 +225,7 @@ class LLM(Intake[_RequestState, Completion]):
         """Run one iteration; return the requests that finished in it."""
         done = self._take_rejected()
         batch = self.scheduler.schedule()
+        done += self._fail_unloadable(batch)
         if not len(batch):
             return done
         self.num_steps += 1
@@ -309,10 +312,11 @@ class LLM(Intake[_RequestState, Completion]):
         self.lora.check(request.lora)  # a LoraError (a ValueError) fails this request only
 
     def _lora_manager(self, net: torch.nn.Module) -> LoraManager | None:
-        if not self.config.lora_modules:
+        c = self.config
+        if not c.serves_lora:
             return None
-        return LoraManager(net, self.model_impl, self.config.lora_modules, self.config.max_loras,
-                           self.config.max_lora_rank, self.device, self.dtype)
+        return LoraManager(net, self.model_impl, c.lora_modules or {}, c.max_loras, c.max_lora_rank, self.device,
+                           self.dtype, c.lora_roots or (), c.max_cpu_loras)
 
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
         p = request.params
@@ -324,6 +328,24 @@ class LLM(Intake[_RequestState, Completion]):
         if p.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         return seq
+
+    def _fail_unloadable(self, batch: ScheduledBatch) -> list[Completion]:
+        """Requests whose adapter, checked when they came but out of memory since, cannot be read again now
+        (its files removed or broken meanwhile): failed with the reason and taken out of the step's batch."""
+        broken = self.lora.prepare([s.lora for s in batch.seqs]) if self.lora is not None else {}
+        if not broken:
+            return []
+        failed = []
+        for rid in dict.fromkeys(s.request_id for s in batch.seqs if s.lora in broken):
+            state = self.requests.pop(rid)
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "error")
+            failed.append(_error_completion(state.request, broken[state.seqs[0].lora or ""], state.arrival_time))
+        kept = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if s.lora not in broken]
+        batch.seqs[:] = [s for s, _ in kept]
+        batch.num_new_tokens[:] = [n for _, n in kept]
+        return failed
 
     def _completion(self, state: _RequestState) -> Completion:
         outs = [CompletionOutput(s.index, s.detok.text if s.detok else "", s.output_token_ids, s.finish_reason or "abort",

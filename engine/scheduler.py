@@ -22,6 +22,12 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.guided import advance_guide
 from sluice.engine.sequence import Sequence, SequenceStatus
 
+# A first-in-line sequence whose LoRA adapter waits for a slot lets sequences behind it that need no new slot
+# (their adapter runs already, or the base) go first, at most this many times in a row; each admission looks
+# at most this far down the queue.
+LORA_BYPASS_LIMIT = 64
+LORA_LOOKAHEAD = 256
+
 
 @dataclass
 class ScheduledBatch:
@@ -47,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stop_ids: dict[int, set[int]] = {}  # per sequence: ids that min_tokens holds back (the sampler's)
         self.num_preemptions = 0
+        self.lora_bypasses = 0  # admissions past the first in line, blocked on its adapter's slot
 
     def add(self, seq: Sequence) -> None:
         p = seq.params
@@ -142,16 +149,19 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.lora is not None and not self._lora_fits(seq.lora):
-                break  # max_loras adapters are running: this one waits for one of them to finish
+            i = self._next_to_admit()
+            if i is None:
+                break  # max_loras adapters are running: the first in line waits for one of them to finish
+            seq = self.waiting[i]
             hits = bm.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.can_admit(seq, hits, num_new):
                 break
             bm.admit(seq, hits)
             bm.allocate_slots(seq, num_new)
-            self.waiting.popleft()
+            del self.waiting[i]
+            if i:
+                self.lora_bypasses += 1
             if seq.admitted_time is None:
                 seq.admitted_time = time.time()
             seq.status = SequenceStatus.RUNNING
@@ -159,8 +169,33 @@ class Scheduler:
             batch.add(seq, num_new)
             budget -= num_new
 
-    def _lora_fits(self, name: str) -> bool:
-        running = {s.lora for s in self.running if s.lora is not None}
+    def _next_to_admit(self) -> int | None:
+        """The waiting sequence to admit next: the first, unless its adapter waits for a free slot; then the
+        first of its priority whose adapter is running already (or the base), which costs no slot, while the
+        first in line has been passed fewer than LORA_BYPASS_LIMIT times (so the running adapters drain and
+        it gets its slot); None: nothing may go."""
+        head = self.waiting[0]
+        if self._lora_fits(head.lora):
+            self.lora_bypasses = 0
+            return 0
+        if self.lora_bypasses >= LORA_BYPASS_LIMIT:
+            return None
+        for i in range(1, min(len(self.waiting), LORA_LOOKAHEAD)):
+            seq = self.waiting[i]
+            if seq.priority != head.priority:
+                return None
+            if seq.lora is None or seq.lora in self.lora_in_use():
+                return i
+        return None
+
+    def lora_in_use(self) -> set[str]:
+        """The adapters of the running sequences."""
+        return {s.lora for s in self.running if s.lora is not None}
+
+    def _lora_fits(self, name: str | None) -> bool:
+        if name is None:
+            return True
+        running = self.lora_in_use()
         return name in running or len(running) < self.config.max_loras
 
     def _preempt(self, seq: Sequence) -> Sequence:

@@ -34,3 +34,8 @@ def peft_model(base: Path, adapter: Path) -> Any:
 
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return PeftModel.from_pretrained(hf, adapter).eval()
+
+
+def merged_model(base: Path, adapter: Path) -> Any:
+    """peft's model with the adapter merged into the base's weights (``merge_and_unload``): the reference."""
+    return peft_model(base, adapter).merge_and_unload().eval()

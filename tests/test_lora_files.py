@@ -13,7 +13,8 @@ import pytest
 import redis
 from helpers import make_tiny_model
 from lora_helpers import make_adapter
-from sluice.engine.lora.adapters import AdapterCache, LoraError
+from sluice.engine.lora.adapters import LoraError
+from sluice.engine.lora.cache import AdapterCache
 from sluice.jobs import keys
 from sluice.jobs.store import get_batch
 from sluice.jobs.submit import submit

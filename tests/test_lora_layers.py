@@ -90,7 +90,8 @@ def test_hook_matches_each_rows_own_delta(layout: str, path: str, dtype: torch.d
     if path != "matmul":  # slots in name order, as the manager makes them
         slot = {n: i for i, n in enumerate(sorted(adapters))}
         step.cpu = CpuStep([adapters[n] for n in sorted(adapters)],
-                           torch.tensor([(a, b, slot[n]) for n, a, b in runs], dtype=torch.int64), tuple(sorted(adapters)))
+                           torch.tensor([(a, b, slot[n]) for n, a, b in runs], dtype=torch.int64),
+                           tuple(adapters[n].key for n in sorted(adapters)))
     for a in adapters.values():
         for w in a.modules.values():
             w.a, w.b = w.a.to(dtype), w.b.to(dtype)

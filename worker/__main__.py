@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="a LoRA adapter lines may ask for as model BASE:NAME or NAME (repeatable)")
     p.add_argument("--max-loras", type=int)
     p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-root", dest="lora_roots", action="append", default=None, metavar="DIR_OR_URL",
+                   help="where adapters lines name as BASE:NAME are loaded from when not loaded (repeatable)")
+    p.add_argument("--max-cpu-loras", type=int, help="loaded adapters kept in CPU memory (default: 4 x max-loras)")
     # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
     p.add_argument("--lookahead", type=int)
     for f in RETRY_FLAGS:  # spelled once in jobs/settings.py (sluice worker takes them too)

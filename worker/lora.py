@@ -1,5 +1,6 @@
-"""Which LoRA adapter a job asks for: its ``model`` as ``"base:adapter"``, or a bare adapter name the
-worker was started with (``--lora NAME=PATH``); anything else runs on the base model."""
+"""Which LoRA adapter a job asks for: its ``model`` as ``"base:adapter"`` (an adapter registered, or one to
+load from the adapter roots), or a bare adapter name the worker was started with (``--lora NAME=PATH``);
+anything else runs on the base model."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ from sluice.jobs.keys import split_model
 
 
 def adapter_names(engine: Any) -> list[str]:
-    """The adapters ``engine`` serves (none for an engine without LoRA)."""
+    """The adapters ``engine`` serves without a lookup: registered or loaded now (none without LoRA). A worker
+    with adapter roots serves others too (``loads_adapters``), loading each when a line names it."""
     lora = getattr(engine, "lora", None)
     return lora.names if lora is not None else []
+
+
+def loads_adapters(engine: Any) -> bool:
+    """Whether ``engine`` loads adapters named by lines from its adapter roots (``--lora-root``)."""
+    lora = getattr(engine, "lora", None)
+    return bool(lora is not None and lora.dynamic)
 
 
 def job_adapter(model: str | None, engine: Any) -> str | None:
@@ -20,4 +28,5 @@ def job_adapter(model: str | None, engine: Any) -> str | None:
     adapter = split_model(model)[1]
     if adapter is not None:
         return adapter  # an adapter this engine does not serve fails the job, with the reason
-    return model if model in adapter_names(engine) else None
+    lora = getattr(engine, "lora", None)
+    return model if lora is not None and model in lora.registered else None

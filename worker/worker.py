@@ -26,7 +26,7 @@ from sluice.worker.drain import Draining
 from sluice.worker.held import Held
 from sluice.worker.isolation import EngineSick, Isolation, culprit_error
 from sluice.worker.kinds import GENERATION, engine_request, engine_result, probe_request, serves
-from sluice.worker.lora import adapter_names, job_adapter
+from sluice.worker.lora import adapter_names, job_adapter, loads_adapters
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.options import EngineFactory, WorkerOptions, WorkerReport
 from sluice.worker.puller import Puller, default_lookahead
@@ -73,7 +73,7 @@ class Worker(Draining):
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
                 "serves": serves(llm), "quantization": getattr(llm, "quantization", "none"),
-                "adapters": adapter_names(llm), "parallelism": getattr(llm, "parallelism", "one device"),
+                "adapters": adapter_names(llm), "lora_roots": loads_adapters(llm), "parallelism": getattr(llm, "parallelism", "one device"),
                 **_prompt_cache(llm)}
 
     # ---- the loop --------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ per-module alphas) is refused with a one-line reason rather than run wrongly.
 
 from __future__ import annotations
 
+import itertools
 import math
-import os
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,12 @@ import torch
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"  # peft's older format, read for registered folders (torch.load, no hub lookup)
 # peft prefixes saved keys with its wrapper's path; the rest is the base model's module name.
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+_serials = itertools.count()
 
 
 class LoraError(ValueError):
@@ -51,13 +54,35 @@ class LoraAdapter:
     rank: int  # the largest module rank
     modules: dict[str, LoraWeights]  # base module name (transformers' naming) -> weights
     fused: dict[int, Any] = field(default_factory=dict)  # per hooked layer: its targets' weights combined
+    # One per read from storage (copies on another device keep it): what the hooks key their stacked weights
+    # by, so an adapter read again under the same name (its files rewritten meanwhile) is restacked.
+    serial: int = field(default_factory=lambda: next(_serials))
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, self.serial
+
+    def to(self, device: torch.device) -> LoraAdapter:
+        """A copy on ``device`` (itself if it is there already), with the same serial."""
+        if all(w.a.device == device for w in self.modules.values()):
+            return self
+        modules = {m: LoraWeights(w.a.to(device), w.b.to(device), w.scale) for m, w in self.modules.items()}
+        return LoraAdapter(self.name, self.path, self.rank, modules, serial=self.serial)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
 
 def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> LoraAdapter:
-    """Load and check one adapter; a LoraError says why it cannot be served."""
+                 dtype: torch.dtype, where: str | None = None) -> LoraAdapter:
+    """Load and check one adapter from the local folder ``path`` (``where``: the place errors name, when
+    the folder is a copy); a LoraError says why it cannot be served."""
+    where = where or path
     if not (Path(path) / CONFIG_FILE).is_file():
-        raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
+        raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {where}")
+    if not any((Path(path) / f).is_file() for f in (SAFETENSORS_FILE, BIN_FILE)):
+        raise LoraError(f"LoRA adapter {name!r}: no {SAFETENSORS_FILE} in {where}")
     require_peft()
     from peft import LoraConfig
 
@@ -65,7 +90,7 @@ def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int
         config = LoraConfig.from_pretrained(path)
         state = _read_weights(path)
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file (safetensors' own errors too) fails its lines only
-        raise LoraError(f"LoRA adapter {name!r}: cannot read {path}: {_one_line(e)}") from None
+        raise LoraError(f"LoRA adapter {name!r}: cannot read {where}: {one_line(e)}") from None
     _check_config(name, config)
     pairs = _pairs(name, state)
     modules = {}
@@ -76,8 +101,8 @@ def read_adapter(name: str, path: str, targets: dict[str, Target], max_rank: int
         modules[module] = LoraWeights(a.to(device=device, dtype=dtype).contiguous(),
                                       b.to(device=device, dtype=dtype).contiguous(), scale)
     if not modules:
-        raise LoraError(f"LoRA adapter {name!r}: no LoRA weights in {path}")
-    return LoraAdapter(name, str(path), max(w.a.shape[0] for w in modules.values()), modules)
+        raise LoraError(f"LoRA adapter {name!r}: no LoRA weights in {where}")
+    return LoraAdapter(name, where, max(w.a.shape[0] for w in modules.values()), modules)
 
 
 def require_peft() -> None:
@@ -85,7 +110,7 @@ def require_peft() -> None:
     try:
         import peft  # noqa: F401
     except ImportError as e:
-        raise LoraError(f"LoRA adapters need peft, which cannot be imported here ({_one_line(e)}): "
+        raise LoraError(f"LoRA adapters need peft, which cannot be imported here ({one_line(e)}): "
                         f"pip install 'sluice-llm[lora]'") from None
 
 
@@ -148,61 +173,5 @@ def _check_shapes(name: str, module: str, a: torch.Tensor, b: torch.Tensor, targ
         raise LoraError(f"LoRA adapter {name!r}: {module} has rank {a.shape[0]} > max_lora_rank {max_rank}")
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-class AdapterCache:
-    """The registered adapters (name -> folder) and an LRU of at most ``capacity`` of them in memory."""
-
-    def __init__(self, paths: dict[str, str], capacity: int, targets: dict[str, Target], max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        if capacity < 1:
-            raise ValueError("max_loras must be >= 1")
-        self.paths = {name: os.fspath(p) for name, p in paths.items()}
-        self.capacity = capacity
-        self.targets = targets
-        self.max_rank = max_rank
-        self.device, self.dtype = device, dtype
-        self.resident: OrderedDict[str, LoraAdapter] = OrderedDict()
-        self.errors: dict[str, str] = {}  # adapters that failed to load: refused without reading again
-        self.checked: set[str] = set()  # adapters that loaded once: a request for one is not read again
-        self.num_loads = 0
-
-    def check(self, name: str) -> None:
-        """Raise LoraError unless ``name`` is registered and loads against this model (read once)."""
-        if name not in self.paths:
-            known = ", ".join(sorted(self.paths)) or "none"
-            raise LoraError(f"unknown LoRA adapter {name!r} (this engine serves: {known})")
-        if name in self.errors:
-            raise LoraError(self.errors[name])
-        if name not in self.checked:
-            self.get(name, set())
-
-    def load_once(self, name: str) -> LoraAdapter | None:
-        """Check ``name`` (see ``check``); its weights if this call loaded them for the first time."""
-        first = name not in self.checked
-        self.check(name)
-        return self.resident[name] if first else None
-
-    def get(self, name: str, keep: set[str]) -> LoraAdapter:
-        """``name``'s weights, loading them (and evicting the least recently used adapter not in ``keep``)
-        if they are not in memory."""
-        adapter = self.resident.get(name)
-        if adapter is not None:
-            self.resident.move_to_end(name)
-            return adapter
-        try:
-            adapter = read_adapter(name, self.paths[name], self.targets, self.max_rank, self.device, self.dtype)
-        except LoraError as e:
-            self.errors[name] = str(e)
-            raise
-        self.num_loads += 1
-        self.checked.add(name)
-        for old in list(self.resident):
-            if len(self.resident) < self.capacity:
-                break
-            if old not in keep:
-                del self.resident[old]
-        self.resident[name] = adapter
-        return adapter

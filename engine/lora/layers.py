@@ -68,7 +68,7 @@ class CpuStep:
 
     adapters: list[LoraAdapter]
     runs: torch.Tensor  # [n, 3] int64
-    key: tuple[str, ...]
+    key: tuple[tuple[str, int], ...]  # the adapters' keys: what the stacked weights were made for
 
 
 @dataclass
@@ -98,10 +98,10 @@ class LoraHook:
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (target, offset, width)
     step: LoraStep | None = None  # this step's adapter rows (None: no row takes an adapter); set by the manager
     # Per target: the groups' weights stacked for the kernel, and the adapters they were stacked for.
-    stacks: dict[str, tuple[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
+    stacks: dict[str, tuple[tuple[tuple[str, int], ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = field(
         default_factory=dict)
     # The C++ op's weights and the adapters (slot order) they were stacked for.
-    stacked: tuple[tuple[str, ...], StackedWeights | None] = ((), None)
+    stacked: tuple[tuple[tuple[str, int], ...], StackedWeights | None] = ((), None)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         step = self.step
@@ -193,7 +193,7 @@ class LoraHook:
         """The groups' A and B for ``target`` as ``[L, R, K]`` and ``[L, N, R]`` (lower ranks zero-padded,
         a group whose adapter skips the target all zeros) and their scales; None if none targets it.
         Rebuilt only when the step's adapters change."""
-        key = tuple(a.name for a in adapters)
+        key = tuple(a.key for a in adapters)
         cached = self.stacks.get(target)
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from sluice.engine.lora.adapters import AdapterCache, LoraAdapter, Target
+from sluice.engine.lora.adapters import LoraAdapter, LoraError, Target
 from sluice.engine.lora.batch import adapter_runs
+from sluice.engine.lora.cache import AdapterCache
 from sluice.engine.lora.layers import (
     CpuStep,
     KernelStep,
@@ -23,13 +24,16 @@ from torch import nn
 
 class LoraManager:
     def __init__(self, net: nn.Module, impl: str, paths: dict[str, str], max_loras: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, roots: Iterable[str] = (),
+                 max_cpu_loras: int | None = None) -> None:
         """Built before anything replaces the model's linear layers: the targets' widths are read here."""
         self.net = net
         sites = native_targets(net) if impl == "native" else transformers_targets(net)
         targets: dict[str, Target] = {name: t for name, (t, _) in sites.items()}
         self.sites: dict[str, Site] = {name: s for name, (_, s) in sites.items()}
-        self.cache = AdapterCache(paths, max_loras, targets, max_rank, device, dtype)
+        self.cache = AdapterCache(paths, max_loras, targets, max_rank, device, dtype, roots, max_cpu_loras)
+        # The adapters of running sequences (the engine sets it to the scheduler's): never evicted.
+        self.in_use: Callable[[], set[str]] = set
         self.device = device
         # CUDA: the Triton kernel (kernels/lora.py), one launch per target for every adapter's rows (tests
         # turn it on on CPU, under the interpreter). CPU: the C++ op, one call per layer, where the engine
@@ -46,17 +50,40 @@ class LoraManager:
 
     @property
     def names(self) -> list[str]:
+        """The adapters requests may name without a lookup: the registered ones and those loaded now."""
+        return sorted(set(self.cache.paths) | set(self.cache.loaded))
+
+    @property
+    def registered(self) -> list[str]:
         return sorted(self.cache.paths)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether adapters not registered are looked up under adapter roots."""
+        return bool(self.cache.roots)
 
     @property
     def max_loras(self) -> int:
         return self.cache.capacity
 
     def check(self, name: str) -> None:
-        """Raise LoraError unless requests may name ``name`` (registered, and loads against the model)."""
-        adapter = self.cache.load_once(name)
-        if adapter is not None:
+        """Raise LoraError unless requests may name ``name`` (registered or under a root, and loads against the
+        model); read into the CPU cache if it is not there."""
+        adapter = self.cache.validate(name, self.in_use())
+        if adapter is not None:  # None: checked and hooked before
             self._hook(adapter)
+
+    def prepare(self, names: Sequence[str | None]) -> dict[str, str]:
+        """Read into the CPU cache the step's adapters that left it; those that fail now -> the reason."""
+        used = {n for n in names if n is not None}
+        keep = used | self.in_use()
+        broken = {}
+        for name in used:
+            try:
+                self.cache.check(name, keep)
+            except LoraError as e:
+                broken[name] = str(e)
+        return broken
 
     def begin_step(self, names: Sequence[str | None], q_lens: Sequence[int]) -> None:
         """Tell the hooks which packed rows take which adapter in the coming forward pass (fastest with the
@@ -65,9 +92,10 @@ class LoraManager:
         step = None
         if runs:
             used = dict.fromkeys(name for name, _, _ in runs)
+            keep = set(used) | self.in_use()
             adapters = {}
             for name in used:
-                adapter = adapters[name] = self.cache.get(name, set(used))
+                adapter = adapters[name] = self.cache.get(name, keep)
                 self._hook(adapter)
             longest = max(end - start for _, start, end in runs)
             kernel = self._kernel_step(runs, list(adapters.values()), sum(q_lens)) if self.use_kernel else None
@@ -86,7 +114,7 @@ class LoraManager:
     def _cpu_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter]) -> CpuStep:
         slot = {a.name: i for i, a in enumerate(adapters)}
         table = torch.tensor([(start, end, slot[name]) for name, start, end in runs], dtype=torch.int64)
-        return CpuStep(adapters, table, tuple(slot))
+        return CpuStep(adapters, table, tuple(a.key for a in adapters))
 
     def _kernel_step(self, runs: list[tuple[str, int, int]], adapters: list[LoraAdapter], num_rows: int) -> KernelStep:
         slot = {a.name: i for i, a in enumerate(adapters)}
