@@ -31,6 +31,8 @@ def prompt_chars(job: Job) -> int:
     if job.input is not None:  # an embedding job: a string, strings, token ids, or lists of them
         items = [job.input] if isinstance(job.input, str) else job.input
         return sum(len(x) if isinstance(x, str | list) else 1 for x in items)
+    if job.prompts is not None:  # several prompts: the limit is on them all
+        return sum(len(p) for p in job.prompts)
     return len(job.prompt) if job.prompt is not None else len(job.prompt_token_ids or ())
 
 
