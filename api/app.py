@@ -31,6 +31,7 @@ from sluice.api.gate import Gate
 from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
 from sluice.api.routes_anthropic import router as anthropic_router
 from sluice.api.routes_control import router as control_router
+from sluice.api.routes_responses import router as responses_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
 from sluice.api.validation import max_line_bytes
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(r, dependencies=auth)
     app.include_router(routes_retry.router, dependencies=auth)  # dead letters, requeue, retry (issue 43)
     app.include_router(anthropic_router, dependencies=auth)  # Anthropic's Messages and Message Batches
+    app.include_router(responses_router, dependencies=auth)  # OpenAI's Responses API (issue 42)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")

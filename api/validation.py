@@ -15,12 +15,15 @@ from typing import IO
 from sluice.api.errors import ApiError
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.responses import RESPONSES_URL
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
 
 MAX_REPORTED = 20
 
 
 def job_endpoint(job: Job) -> str:
+    if job.api == "responses":
+        return RESPONSES_URL
     return {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL}.get(job.kind, COMPLETIONS_URL)
 
 

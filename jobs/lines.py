@@ -13,7 +13,9 @@ from typing import Any
 from pydantic import (
     ValidationError,
 )
+from sluice.jobs import responses
 from sluice.jobs.embeddings import EMBEDDINGS_URL, check_input, parse_embedding_body
+from sluice.jobs.responses import RESPONSES_URL
 from sluice.jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -144,8 +146,12 @@ def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         fields, sampling = _completions_body(body)
     elif url == EMBEDDINGS_URL:
         fields, sampling = _embedding_body(body), {}
+    elif url == RESPONSES_URL:  # the same chat job, answered in the Responses shape
+        fields, sampling = _chat_body(responses.chat_body(body))
+        fields["api"] = "responses"
     else:
-        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, not {url!r}")
+        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL} or {EMBEDDINGS_URL}, "
+                         f"not {url!r}")
     fields["custom_id"] = custom_id
     if isinstance(body.get("model"), str):
         fields["model"] = body["model"]

@@ -6,6 +6,7 @@ from typing import Any
 
 from sluice.jobs.embeddings import decode_base64, embedding_response
 from sluice.jobs.keys import DEFAULT_QUEUE
+from sluice.jobs.responses import is_response, response_body
 from sluice.jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
 
 # ---- rendering a Result as an OpenAI batch output line -----------------------------------------
@@ -40,6 +41,8 @@ def line_error_to_output_line(info: LineErrorInfo, custom_id: str | None = None)
 def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     """A chat.completion or text_completion object for a completed Result."""
     kind = job.kind if job is not None else result.kind
+    if is_response(job, result):
+        return response_body(result, job.model if job is not None else None)
     if kind == "embedding":
         return embedding_body(job, result)
     choices = result.choices or [Choice(index=0, text=result.text, finish_reason=result.finish_reason or "stop")]

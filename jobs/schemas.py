@@ -168,6 +168,7 @@ class Job(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # higher is pulled first
     deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
+    api: Literal["responses"] | None = None  # the API whose shape its answer takes (None: its kind's own URL's)
     stream: bool | None = None  # an interactive request streaming its text (jobs/interactive.py); None: no
     max_deliveries: int | None = Field(None, ge=1)  # its batch's own (metadata sluice_max_deliveries); None: the worker's
 
@@ -242,6 +243,7 @@ class Result(BaseModel):
     batch_id: str | None = None
     idx: int = 0
     kind: JobKind = "chat"
+    api: Literal["responses"] | None = None  # the job's (jobs/responses.py renders the answer)
     model: str | None = None
     status: JobStatus = "completed"
     text: str = ""

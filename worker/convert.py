@@ -116,7 +116,7 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
     keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls or x.reasoning is not None
                                    or x.prompt_logprobs is not None for x in choices)
     return Result(
-        job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
+        job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind, api=job.api,
         model=job.model or model, status="failed" if failed else "completed", text=choices[0].text if choices else "",
         finish_reason=choices[0].finish_reason if choices else c.finish_reason, choices=choices if keep else [],
         usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens,
