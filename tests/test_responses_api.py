@@ -21,13 +21,15 @@ import openai
 import pytest
 from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
 from helpers import fresh_seed
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from sluice.jobs import keys
 from sluice.jobs.connection import connect
 from sluice.jobs.responses import chat_body, response_body
 from sluice.jobs.schemas import Choice, Result, ResultUsage
 
 KEY = "sk-sluice-test"
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 TOOL = {"type": "function", "name": "lookup", "description": "look a word up",
         "parameters": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}},
@@ -127,6 +129,13 @@ def test_raw_response_validates_as_the_sdks_type(live: Live) -> None:
         assert resp.instructions == "be brief" and resp.max_output_tokens == 3 and resp.output_text
         gone = http.get(f"/v1/responses/{resp.id}")
         assert gone.status_code == 404 and "not stored" in gone.json()["error"]["message"]
+        # Streamed, every event validates strictly as the SDK's event union (the SDK itself is lenient).
+        for extra in ({}, {"tools": [TOOL], "tool_choice": "required", "max_output_tokens": 64}):
+            with http.stream("POST", "/v1/responses", json={**body, **extra, "stream": True}) as s:
+                lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+            events = [EVENTS.validate_python(json.loads(x.removeprefix("data: "))) for x in lines]
+            assert events[-1].type in ("response.completed", "response.incomplete")
+            assert events[-1].response.output  # type: ignore[union-attr]
 
 
 def test_text_format_json_schema_output_parses(live: Live) -> None:
