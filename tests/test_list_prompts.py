@@ -156,3 +156,26 @@ def test_batch_file_line_with_a_list_prompt_is_one_result_with_every_choice(live
     assert [c.text for c in bodies["one"].choices] == alone[:1]
     errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
     assert len(errors) == 1 and "line 3" in errors[0]["error"]["message"] and "prompt" in errors[0]["error"]["message"]
+
+
+def test_sluice_generate_runs_a_list_prompt_line_as_one_result(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """In-process (no queue): a list prompt's line is one output line with every prompt's choices, each
+    the answer its prompt gets on a line of its own; a refused prompt fails only its line."""
+    from click.testing import CliRunner
+    from sluice.cli.main import EXIT_SOME_FAILED, cli
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": "many", "prompt": ["a b c", "d e f"], "n": 2, "max_tokens": 3},
+             {"custom_id": "a", "prompt": "a b c", "max_tokens": 3}, {"custom_id": "d", "prompt": "d e f", "max_tokens": 3},
+             {"custom_id": "bad", "prompt": [[1, 2], [10**6]], "max_tokens": 3}]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
+                                   "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-progress"])
+    assert res.exit_code == EXIT_SOME_FAILED, res.output
+    got = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == ["a", "d", "many"]
+    texts = [c["text"] for c in got["many"]["choices"]]
+    assert texts == [got["a"]["choices"][0]["text"]] * 2 + [got["d"]["choices"][0]["text"]] * 2
+    assert got["many"]["usage"]["prompt_tokens"] == got["a"]["usage"]["prompt_tokens"] + got["d"]["usage"]["prompt_tokens"]
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["bad"] and "prompt[1]:" in errors[0]["error"]["message"]
