@@ -19,6 +19,7 @@ import openai
 import pytest
 from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
 from helpers import fresh_seed
+from jobs_helpers import wait_for
 from openai.types import Completion
 from sluice.jobs import keys
 from sluice.jobs.connection import connect
@@ -55,8 +56,16 @@ def _prompts(rng: random.Random, k: int) -> list[str]:
 
 
 def _left_behind() -> list[str]:
-    r = connect()
-    return [k for k in r.scan_iter(match=f"{keys.PREFIX}:*{{req_*")] + list(r.zrange(keys.interactive("tiny"), 0, -1))
+    """Keys of online requests still in the job server, once a stream's end (which the server handles
+    just after its last event reaches the client) has had time to clean up."""
+    def keys_left() -> list[str]:
+        r = connect()
+        return [k for k in r.scan_iter(match=f"{keys.PREFIX}:*{{req_*")] + list(r.zrange(keys.interactive("tiny"), 0, -1))
+
+    try:
+        return wait_for(lambda: not keys_left(), 30, "the requests' keys to go") and []
+    except AssertionError:
+        return keys_left()
 
 
 def _alone(client: openai.OpenAI, prompt: Any, **kw: Any) -> Completion:

@@ -21,6 +21,7 @@ import openai
 import pytest
 from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
 from helpers import fresh_seed
+from jobs_helpers import wait_for
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from sluice.jobs import keys
@@ -65,8 +66,16 @@ def _words(rng: random.Random) -> str:
 
 
 def _left_behind() -> list[str]:
-    r = connect()
-    return [k for k in r.scan_iter(match=f"{keys.PREFIX}:*{{req_*")] + list(r.zrange(keys.interactive("tiny"), 0, -1))
+    """Keys of online requests still in the job server, once a stream's end (which the server handles
+    just after its last event reaches the client) has had time to clean up."""
+    def keys_left() -> list[str]:
+        r = connect()
+        return [k for k in r.scan_iter(match=f"{keys.PREFIX}:*{{req_*")] + list(r.zrange(keys.interactive("tiny"), 0, -1))
+
+    try:
+        return wait_for(lambda: not keys_left(), 30, "the requests' keys to go") and []
+    except AssertionError:
+        return keys_left()
 
 
 def _request(rng: random.Random) -> tuple[dict[str, Any], list[dict[str, Any]]]:
