@@ -32,6 +32,7 @@ from sluice.api.metrics import OpenAIMetrics, make_registry, request_labels
 from sluice.api.routes_anthropic import router as anthropic_router
 from sluice.api.routes_control import router as control_router
 from sluice.api.routes_queues import router as queues_router
+from sluice.api.routes_responses import router as responses_router
 from sluice.api.routes_scoring import router as scoring_router
 from sluice.api.settings import Settings
 from sluice.api.state import AppState, State, require_key
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(anthropic_router, dependencies=auth)  # Anthropic's Messages and Message Batches
     app.include_router(queues_router, dependencies=auth)  # each model's backlog, for autoscalers (issue 47)
     app.include_router(scoring_router, dependencies=auth)  # vLLM's /v1/score and /v1/rerank (issue 42)
+    app.include_router(responses_router, dependencies=auth)  # OpenAI's Responses API (issue 42)
     app.include_router(dashboard.router)  # pages at / and /batches/{id}; its data routes check the key
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=auth, tags=["models"],
                       summary="The models live workers serve")

@@ -16,6 +16,7 @@ from sluice.api.webhooks import check_batch_webhook
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.full import NOTHING_QUEUED, refused_when_full
 from sluice.jobs.openai_output import result_to_output_line
+from sluice.jobs.responses import RESPONSES_URL
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, RESERVED_METADATA_PREFIX, Batch, LineErrorInfo
 from sluice.jobs.scoring import RERANK_URL, SCORE_URL
 from sluice.jobs.settings import MAX_DELIVERIES_KEY, parse_max_deliveries
@@ -32,7 +33,7 @@ from sluice.jobs.units import parse_duration
 from sluice.jobs.webhooks import WEBHOOK_METADATA_KEY
 
 router = APIRouter(tags=["batches"])
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, SCORE_URL, RERANK_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL, SCORE_URL, RERANK_URL)
 CURSOR_PATTERN = r"^(0|\d{1,19}-\d{1,19})$"  # a results stream id (19 digits stay below 2**64)
 
 

@@ -15,6 +15,7 @@ from typing import IO
 from sluice.api.errors import ApiError
 from sluice.jobs.embeddings import EMBEDDINGS_URL
 from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.responses import RESPONSES_URL
 from sluice.jobs.schemas import CHAT_URL, COMPLETIONS_URL, Job, LineErrorInfo
 from sluice.jobs.scoring import KIND_URLS, score_chars
 
@@ -22,6 +23,8 @@ MAX_REPORTED = 20
 
 
 def job_endpoint(job: Job) -> str:
+    if job.api == "responses":
+        return RESPONSES_URL
     return {"chat": CHAT_URL, "embedding": EMBEDDINGS_URL, **KIND_URLS}.get(job.kind, COMPLETIONS_URL)
 
 
@@ -34,6 +37,8 @@ def prompt_chars(job: Job) -> int:
     if job.input is not None:  # an embedding job: a string, strings, token ids, or lists of them
         items = [job.input] if isinstance(job.input, str) else job.input
         return sum(len(x) if isinstance(x, str | list) else 1 for x in items)
+    if job.prompts is not None:  # several prompts: the limit is on them all
+        return sum(len(p) for p in job.prompts)
     return len(job.prompt) if job.prompt is not None else len(job.prompt_token_ids or ())
 
 

@@ -136,7 +136,9 @@ def run_lm_eval(exe: Path, url: str, tokenizer: Path, tasks: Path, out: Path, ar
                            "tokenizer_backend=huggingface", "tokenized_requests=True",
                            f"num_concurrent={args.num_concurrent}", "max_retries=1", "timeout=600"])
     cmd = [str(exe), "--model", "local-completions", "--model_args", model_args, "--tasks", "sluice_mc,sluice_gen",
-           "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", "1"]
+           "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", str(args.batch_size)]
+    if args.limit is not None:
+        cmd += ["--limit", str(args.limit)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OPENAI_API_KEY": os.environ.get("SLUICE_API_KEY", "unused"), "PYTHONPATH": ""}
     print("$ " + " ".join(cmd), flush=True)
@@ -164,6 +166,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model path or name (default: the worker's, SmolLM2-135M-Instruct)")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="lm-eval's own venv (made when missing)")
     p.add_argument("--num-concurrent", type=int, default=16, help="lm-eval's concurrent requests")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="lm-eval's --batch_size: prompts per /v1/completions request (a list prompt)")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval's --limit: documents per task")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--worker-args", default="", help="extra `python -m sluice.worker` flags, e.g. '--dtype float32'")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "lmeval", help="lm-eval's output folder")

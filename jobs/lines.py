@@ -13,7 +13,9 @@ from typing import Any
 from pydantic import (
     ValidationError,
 )
+from sluice.jobs import responses
 from sluice.jobs.embeddings import EMBEDDINGS_URL, check_input, parse_embedding_body
+from sluice.jobs.responses import RESPONSES_URL
 from sluice.jobs.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -147,8 +149,12 @@ def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         fields, sampling = _embedding_body(body), {}
     elif url in SCORING_URLS:
         fields, sampling = scoring_fields(url, body), {}
+    elif url == RESPONSES_URL:  # the same chat job, answered in the Responses shape
+        fields, sampling = _chat_body(responses.chat_body(body))
+        fields["api"] = "responses"
     else:
-        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {EMBEDDINGS_URL}, /v1/score or /v1/rerank, "
+        raise ValueError(f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL}, {EMBEDDINGS_URL}, /v1/score or "
+                         f"/v1/rerank, "
                          f"not {url!r}")
     fields["custom_id"] = custom_id
     if isinstance(body.get("model"), str):
@@ -302,15 +308,24 @@ def _tools(tools: Any, choice: Any, where: str) -> tuple[list[dict[str, Any]], A
 
 
 def _completion_prompt(prompt: Any) -> dict[str, Any]:
-    # OpenAI also takes a list of one prompt (string or token ids); several prompts per line would
-    # need several results per custom_id, so they are refused.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    """A string, token ids, or (OpenAI's list prompt) several of either: one job whose result holds every
+    prompt's choices, in order (a list of one is that one prompt)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        parts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return {"prompts": parts} if len(parts) > 1 else _prompt_field(parts[0])
+    return _prompt_field(_one_prompt(prompt, "prompt"))
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    raise ValueError("prompt must be a string or a list of token ids (one prompt per line)")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValueError(f"{where} must be a string or a list of token ids (or prompt a list of those)")
+
+
+def _prompt_field(prompt: str | list[int]) -> dict[str, Any]:
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
 def _simple_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from sluice.jobs.embeddings import decode_base64, embedding_response
 from sluice.jobs.keys import DEFAULT_QUEUE
+from sluice.jobs.responses import is_response, response_body
 from sluice.jobs.schemas import Choice, ErrorInfo, Job, LineErrorInfo, Result, TokenLogprob
 from sluice.jobs.scoring import SCORE_KINDS, scoring_body
 
@@ -41,6 +42,8 @@ def line_error_to_output_line(info: LineErrorInfo, custom_id: str | None = None)
 def completion_body(job: Job | None, result: Result) -> dict[str, Any]:
     """A chat.completion or text_completion object for a completed Result."""
     kind = job.kind if job is not None else result.kind
+    if is_response(job, result):
+        return response_body(result, job.model if job is not None else None)
     if kind == "embedding":
         return embedding_body(job, result)
     if kind in SCORE_KINDS:

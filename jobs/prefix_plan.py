@@ -35,6 +35,9 @@ def prompt_key(job: Job) -> str:
         body = [f"{m.get('role', '')}{_PART}{_content_text(m.get('content'))}" for m in job.messages]
     elif job.prompt_token_ids is not None:
         body = [",".join(map(str, job.prompt_token_ids))]
+    elif job.prompts is not None:  # several prompts: the first is the one that runs first
+        first = job.prompts[0]
+        body = [first if isinstance(first, str) else ",".join(map(str, first))]
     else:
         body = [job.prompt or ""]
     return _FIELD.join(head + body)

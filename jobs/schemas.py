@@ -38,6 +38,7 @@ MAX_TOKEN_ID = 2**31 - 1  # the vocabulary itself is checked when a worker admit
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_IDS = 1024
+MAX_PROMPTS = 1024  # prompts in one completions request (OpenAI's list prompt)
 MAX_PRIORITY = 1000  # |priority|; keys.stream_score keeps creation order exact within this range
 MAX_TEMPLATE_KWARGS_CHARS = 100_000
 MAX_DEADLINE = 1e11  # epoch seconds (year 5138): anything later is a unit mistake
@@ -140,7 +141,7 @@ SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 
 
 class Job(BaseModel):
-    """One request of a batch. Exactly one of ``prompt``, ``prompt_token_ids``, ``messages``."""
+    """One request of a batch. Exactly one of ``prompt``, ``prompt_token_ids``, ``prompts``, ``messages``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -152,6 +153,9 @@ class Job(BaseModel):
     kind: JobKind = "chat"
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    # completions: several prompts (texts or token-id lists) in one request, as OpenAI's list prompt; the
+    # worker runs one engine request per prompt and answers with all their choices (worker/convert.py)
+    prompts: list[str | list[int]] | None = Field(None, min_length=2, max_length=MAX_PROMPTS)
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's function tools, passed to the chat template
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", ...}
@@ -167,6 +171,7 @@ class Job(BaseModel):
     deadline: float | None = Field(None, ge=0, le=MAX_DEADLINE, allow_inf_nan=False)  # epoch s: not started by then -> expired
     created_at: float = 0.0
     traceparent: str | None = None  # W3C trace context of its sluice.submit span (tracing on: jobs/tracing.py)
+    api: Literal["responses"] | None = None  # the API whose shape its answer takes (None: its kind's own URL's)
     stream: bool | None = None  # an interactive request streaming its text (jobs/interactive.py); None: no
     max_deliveries: int | None = Field(None, ge=1)  # its batch's own (metadata sluice_max_deliveries); None: the worker's
 
@@ -181,12 +186,15 @@ class Job(BaseModel):
         if self.kind == "embedding" or self.input is not None:
             if self.kind != "embedding" or self.input is None:
                 raise ValueError("input is for embedding jobs, and an embedding job needs input")
-            if any(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)):
+            if any(x is not None for x in (self.prompt, self.prompt_token_ids, self.prompts, self.messages)):
                 raise ValueError("an embedding job takes input, not prompt or messages")
             return self
-        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
+        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.prompts, self.messages))
         if given != 1:
-            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+            raise ValueError("give exactly one of prompt, prompt_token_ids, prompts or messages")
+        if self.prompts is not None and len(self.prompts) * self.params.n * self.params.max_tokens > MAX_TOKENS:
+            raise ValueError(f"prompts x n x max_tokens is {len(self.prompts) * self.params.n * self.params.max_tokens:,}; "
+                             f"at most {MAX_TOKENS:,} tokens per request in all")
         return self
 
 
@@ -244,6 +252,7 @@ class Result(BaseModel):
     batch_id: str | None = None
     idx: int = 0
     kind: JobKind = "chat"
+    api: Literal["responses"] | None = None  # the job's (jobs/responses.py renders the answer)
     model: str | None = None
     status: JobStatus = "completed"
     text: str = ""

@@ -54,6 +54,10 @@ def test_openai_completions_line_and_defaults() -> None:
     assert (job.params.max_tokens, job.params.temperature, job.params.logprobs) == (11, 0.7, 1)
     ids = parse_line(openai_line("/v1/completions", {"prompt": [1, 2, 3]}), 2)
     assert ids.prompt_token_ids == [1, 2, 3] and ids.prompt is None
+    # OpenAI's list prompt: several prompts (texts or token ids) in one job, in order.
+    many = parse_line(openai_line("/v1/completions", {"prompt": ["a", "b"], "n": 2}), 3)
+    assert many.prompts == ["a", "b"] and many.prompt is None and many.params.n == 2
+    assert parse_line(openai_line("/v1/completions", {"prompt": [[1, 2], [3]]}), 4).prompts == [[1, 2], [3]]
     # A line's own setting wins over the defaults; the rest of the defaults stay.
     job = parse_line(json.dumps({"prompt": "x", "temperature": 0}), 3, defaults)
     assert (job.params.max_tokens, job.params.temperature) == (11, 0.0)
@@ -79,7 +83,11 @@ def test_simple_lines() -> None:
     ('{"prompt": "x", "top_p": 0}', "invalid_request", "top_p"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "invalid_request", "role"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "text parts"),
-    ('{"prompt": ["a", "b"]}', "invalid_request", "one prompt per line"),
+    ('{"prompt": ["a", []]}', "invalid_request", "prompt[1] must be a string or a list of token ids"),
+    ('{"prompt": [[1, 2], ["x"]]}', "invalid_request", "prompt[1] must be"),
+    ('{"prompt": []}', "invalid_request", "prompt must be"),
+    ('{"prompt": ["a", "b"], "max_tokens": 1048576}', "invalid_request", "prompts x n x max_tokens"),
+    (openai_line("/v1/completions", {"prompt": ["x"] * 1025}), "invalid_request", "at most 1024"),
     (openai_line("/v1/images/generations", {"prompt": "x"}), "invalid_request", "url must be"),
     (openai_line("/v1/embeddings", {"input": "x", "max_tokens": 3}), "invalid_request", "unsupported field"),
     (openai_line("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),

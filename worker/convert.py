@@ -7,7 +7,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.engine.outputs import Completion, CompletionOutput, Request
@@ -18,6 +18,7 @@ from sluice.jobs.schemas import (
     Choice,
     ErrorInfo,
     Job,
+    JobStatus,
     Result,
     ResultTimings,
     ResultUsage,
@@ -44,6 +45,64 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
                    params=params, tools=job.tools, chat_template_kwargs=template_kwargs, priority=job.priority)
 
 
+# ---- a list prompt: one engine request per prompt, one Result for them all --------------------------
+@dataclass
+class Parts:
+    """A job as the engine requests it runs as: itself, or (a list prompt) one per prompt, whose Results
+    are merged into the job's once the last is in."""
+
+    job: Job
+    jobs: list[Job]
+    rids: list[str]
+    results: dict[int, Result] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, job: Job, rid: str) -> Parts:
+        if job.prompts is None:
+            return cls(job, [job], [rid])
+        jobs = [job.model_copy(update={"prompts": None, **({"prompt": p} if isinstance(p, str)
+                                                           else {"prompt_token_ids": p})}) for p in job.prompts]
+        return cls(job, jobs, [f"{rid}/{k}" for k in range(len(jobs))])
+
+    def first_index(self, rid: str) -> int:
+        """The choice index of this part's first sample (OpenAI's order: prompt index x n + sample)."""
+        return self.rids.index(rid) * self.job.params.n
+
+    def add(self, rid: str, result: Result) -> Result | None:
+        """The job's Result once every part's is in (None until then)."""
+        self.results[self.rids.index(rid)] = result
+        if len(self.results) < len(self.rids):
+            return None
+        if self.job.prompts is None:
+            return result
+        return merge_results(self.job, [self.results[k] for k in range(len(self.rids))])
+
+
+def merge_results(job: Job, parts: list[Result]) -> Result:
+    """A list prompt's Result: every prompt's choices in order, usage summed; failed if a prompt failed."""
+    n = job.params.n
+    choices = []
+    for k, r in enumerate(parts):
+        own = r.choices or [Choice(index=0, text=r.text, finish_reason=r.finish_reason or "stop")]
+        choices += [c.model_copy(update={"index": k * n + c.index}) for c in own]
+    failed = next(((k, r) for k, r in enumerate(parts) if r.status != "completed"), None)
+    status: JobStatus = "completed"
+    error = None
+    if failed is not None:
+        k, r = failed
+        status = r.status
+        if r.error is not None:
+            error = ErrorInfo(code=r.error.code, message=f"prompt[{k}]: {r.error.message}")
+    firsts = [r.timings.first_token for r in parts if r.timings.first_token is not None]
+    first = parts[0]
+    return first.model_copy(update={
+        "status": status, "error": error, "text": choices[0].text, "finish_reason": choices[0].finish_reason,
+        "choices": choices,
+        "usage": ResultUsage(**{f: sum(getattr(r.usage, f) for r in parts) for f in ResultUsage.model_fields}),
+        "timings": first.timings.model_copy(update={"first_token": min(firsts, default=None),
+                                                    "finished": max(r.timings.finished or 0 for r in parts)})})
+
+
 def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: float | None = None,
                          worker: str | None = None, model: str | None = None) -> Result:
     """A finished engine request as the job's Result (``tokenizer`` spells out logprob tokens)."""
@@ -57,7 +116,7 @@ def completion_to_result(job: Job, c: Completion, tokenizer: Any, *, started: fl
     keep = len(choices) > 1 or any(x.logprobs is not None or x.tool_calls or x.reasoning is not None
                                    or x.prompt_logprobs is not None for x in choices)
     return Result(
-        job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind,
+        job_id=job.id, custom_id=job.custom_id, batch_id=job.batch_id, idx=job.idx, kind=job.kind, api=job.api,
         model=job.model or model, status="failed" if failed else "completed", text=choices[0].text if choices else "",
         finish_reason=choices[0].finish_reason if choices else c.finish_reason, choices=choices if keep else [],
         usage=ResultUsage(prompt_tokens=c.usage.prompt_tokens,

@@ -25,6 +25,7 @@ from sluice.jobs.jsonl import values_in
 from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import ErrorInfo, Job, Result, SamplingParams
+from sluice.worker.convert import Parts
 from sluice.worker.kinds import GENERATION, engine_request, engine_result, serves
 from sluice.worker.progress import generate
 from sluice.worker.run import embedding_kwargs
@@ -61,7 +62,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
         if not jobs:
             return summary
         engine = llm if llm is not None else _engine(model, engine_kwargs, jobs)
-        by_id = {j.custom_id: j for j in jobs}
+        by_rid: dict[str, Parts] = {}  # engine request id (by position: no custom_id can look like another's part) -> its parts
 
         def write_result(job: Job, result: Result) -> None:
             _write_line(out if result.status == "completed" else err, result_to_output_line(job, result))
@@ -72,13 +73,18 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
                 summary.failed += 1
 
         def write(c: Completion | EmbeddingOutput) -> None:
-            job = by_id[c.request_id]
-            write_result(job, engine_result(job, c, engine, started=None, worker=None, model=None))
+            parts = by_rid[c.request_id]
+            part = parts.jobs[parts.rids.index(c.request_id)]
+            result = parts.add(c.request_id, engine_result(part, c, engine, started=None, worker=None, model=None))
+            if result is not None:  # a list prompt's job: once every prompt's is in
+                write_result(parts.job, result)
 
         requests = []
-        for j in jobs:
+        for i, j in enumerate(jobs):
+            parts = Parts.of(j, str(i))
             try:  # the other kind than the model serves (an embeddings line for a generation model): that line fails
-                requests.append(engine_request(j, j.custom_id, engine))
+                requests += [engine_request(p, r, engine) for p, r in zip(parts.jobs, parts.rids, strict=True)]
+                by_rid.update(dict.fromkeys(parts.rids, parts))
             except ValueError as e:
                 write_result(j, Result(job_id=j.id, custom_id=j.custom_id, kind=j.kind, status="failed",
                                        error=ErrorInfo(code="invalid_request", message=str(e))))
@@ -105,7 +111,7 @@ def _fitted(engine_kwargs: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
     """The engine settings for a file of these jobs: no more sequence slots than the file has sequences.
     The engine sizes its KV cache for at most every slot at full length, so a short file gets a small
     cache, and faulting in the default 4 GiB took 5-12 s of start-up here."""
-    sequences = sum(j.params.n for j in jobs)
+    sequences = sum(j.params.n * len(j.prompts or [None]) for j in jobs)
     limit = engine_kwargs.get("max_num_seqs") or EngineConfig.max_num_seqs
     return {**engine_kwargs, "max_num_seqs": min(limit, sequences)}
 

@@ -33,6 +33,7 @@ class _Sample:
 class _Live:
     d: Delivery
     hold: int  # characters held back: the longest stop string
+    first_index: int = 0  # its first sample's choice index (a list prompt's later prompts come after)
     samples: dict[int, _Sample] = field(default_factory=dict)
 
 
@@ -44,9 +45,9 @@ class TextStreams:
     def __bool__(self) -> bool:
         return bool(self.live)
 
-    def add(self, rid: str, d: Delivery) -> None:
+    def add(self, rid: str, d: Delivery, first_index: int = 0) -> None:
         if streams_text(d):
-            self.live[rid] = _Live(d, max((len(s) for s in d.job.params.stop), default=0))
+            self.live[rid] = _Live(d, max((len(s) for s in d.job.params.stop), default=0), first_index)
 
     def discard(self, rid: str | None) -> None:
         if rid is not None:
@@ -63,7 +64,7 @@ class TextStreams:
             for i, ids in enumerate(samples):
                 text = self._new_text(live, i, n_prompt, ids)
                 if text:
-                    out.append((live.d, i, text))
+                    out.append((live.d, live.first_index + i, text))
         return out
 
     def _new_text(self, live: _Live, i: int, n_prompt: int, ids: list[int]) -> str:

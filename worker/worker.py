@@ -22,6 +22,7 @@ from sluice.engine.outputs import Completion
 from sluice.engine.protocol import Engine
 from sluice.jobs.consumer.session import ConsumerSession
 from sluice.jobs.settings import retry_backoff
+from sluice.worker.convert import Parts
 from sluice.worker.drain import Draining
 from sluice.worker.held import Held
 from sluice.worker.isolation import EngineSick, Isolation, culprit_error
@@ -140,22 +141,29 @@ class Worker(Draining):
 
     def _start(self, h: Held) -> None:
         rid = f"{h.job.id}#{next(self.rids)}"
+        parts = Parts.of(h.job, rid)  # a list prompt runs as one engine request per prompt
         try:
-            req = engine_request(h.job, rid, self.llm)
+            reqs = [engine_request(j, r, self.llm) for j, r in zip(parts.jobs, parts.rids, strict=True)]
         except ValueError as e:
             self._forget(h)
             self.session.settle(h.d, "failed", "invalid_request", str(e))
             return
+        added: list[str] = []
         try:
-            self.llm.add_request(req)  # type: ignore[arg-type]  # an EmbeddingRequest for an EmbeddingEngine
+            for req in reqs:
+                self.llm.add_request(req)  # type: ignore[arg-type]  # an EmbeddingRequest for an EmbeddingEngine
+                added.append(req.request_id)
         except Exception as e:  # noqa: BLE001 - this job's failure, unless a probe fails too (isolation)
             log.exception("the engine refused job %s", h.job.id)
+            for r in added:  # the job's other prompts leave with it
+                self.llm.abort(r)
             self.iso.failed_alone(h, e)
             return
-        h.rid = rid
-        self.by_rid[rid] = h
-        if h.job.stream:
-            self.text_streams.add(rid, h.d)
+        h.rid, h.parts = rid, parts
+        for r in parts.rids:
+            self.by_rid[r] = h
+            if h.job.stream:
+                self.text_streams.add(r, h.d, parts.first_index(r))
 
     def _next_isolated(self) -> None:
         """With the engine idle: the probe if a job stands accused, else the next suspect alone."""
@@ -194,10 +202,14 @@ class Worker(Draining):
                 self._attempt_failed(accused.held, accused.error)
             return
         h = self.by_rid.pop(c.request_id, None)
-        if h is None:
+        if h is None or h.parts is None:
             return  # aborted meanwhile
+        part = h.parts.jobs[h.parts.rids.index(c.request_id)]
+        res = h.parts.add(c.request_id, engine_result(part, c, self.llm, started=h.pulled_at, worker=self.id,
+                                                      model=self.o.queue))
+        if res is None:
+            return  # the job's other prompts are still running
         self._forget(h)
-        res = engine_result(h.job, c, self.llm, started=h.pulled_at, worker=self.id, model=self.o.queue)
         # Its KV need (an embedding's: its tokens), known now without tokenizing the prompt a second
         # time, informs the next pulls.
         p, u = h.job.params, res.usage
@@ -220,8 +232,8 @@ class Worker(Draining):
             self._abort(h)
             self.iso.failed_alone(h, e)
             return
-        log.exception("an engine step failed; rerunning its %d jobs one at a time", len(self.by_rid))
-        victims = list(self.by_rid.values())
+        victims = self._in_engine()
+        log.exception("an engine step failed; rerunning its %d jobs one at a time", len(victims))
         for h in victims:
             self._abort(h)
         self.iso.step_failed(victims)
@@ -259,27 +271,34 @@ class Worker(Draining):
     def _abort(self, h: Held) -> None:
         if h.rid is None:
             return
-        self.by_rid.pop(h.rid, None)
-        self.text_streams.discard(h.rid)
-        rid, h.rid = h.rid, None
+        rids = h.rids
+        for r in rids:
+            self.by_rid.pop(r, None)
+            self.text_streams.discard(r)
+        h.rid = None
         try:
-            self.llm.abort(rid)
+            for r in rids:
+                self.llm.abort(r)
         except Exception:  # noqa: BLE001 - the engine is in an unknown state: start a fresh one
             if self.llm_factory is None:
                 raise
             log.exception("abort failed; rebuilding the engine")
-            survivors = list(self.by_rid.values())
+            survivors = self._in_engine()
             self.by_rid.clear()
             self.llm = self.llm_factory()
             for s in survivors:
                 s.rid = None
             self.iso.step_failed(survivors)
 
+    def _in_engine(self) -> list[Held]:
+        """The jobs in the engine, each once (a list prompt's job has a request per prompt)."""
+        return list({id(h): h for h in self.by_rid.values()}.values())
+
     def _forget(self, h: Held) -> None:
         self.held.pop(h.job.id, None)
-        self.text_streams.discard(h.rid)
-        if h.rid is not None:
-            self.by_rid.pop(h.rid, None)
+        for r in h.rids:
+            self.text_streams.discard(r)
+            self.by_rid.pop(r, None)
         self.iso.discard(h)
 
     def _lose(self, h: Held) -> None:
