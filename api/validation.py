@@ -27,11 +27,16 @@ def job_endpoint(job: Job) -> str:
 def prompt_chars(job: Job) -> int:
     """The size the prompt limit applies to: characters of text, or a count of token ids."""
     if job.messages is not None:
-        return sum(len(m["content"]) for m in job.messages)
+        return sum(_content_chars(m["content"]) for m in job.messages)
     if job.input is not None:  # an embedding job: a string, strings, token ids, or lists of them
         items = [job.input] if isinstance(job.input, str) else job.input
         return sum(len(x) if isinstance(x, str | list) else 1 for x in items)
     return len(job.prompt) if job.prompt is not None else len(job.prompt_token_ids or ())
+
+
+def _content_chars(content: str | list[dict[str, str]]) -> int:
+    """Characters of text; an image part counts none (its size is the worker's limit, and the line's)."""
+    return len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
 
 
 def named_model(job: Job) -> str | None:

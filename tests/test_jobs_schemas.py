@@ -68,6 +68,18 @@ def test_simple_lines() -> None:
     assert chat.custom_id == "17" and chat.kind == "chat" and chat.params.n == 2
 
 
+def test_image_parts_stay_parts() -> None:
+    """Text parts alone join into one string; with an image, the parts as processors' chat templates read them."""
+    text = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert parse_line(json.dumps({"messages": [{"role": "user", "content": text}]}), 1).messages == [
+        {"role": "user", "content": "ab"}]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+             {"type": "text", "text": "what is it?"}]
+    job = parse_line(json.dumps({"messages": [{"role": "user", "content": parts}]}), 1)
+    assert job.messages == [{"role": "user", "content": [{"type": "image", "url": "data:image/png;base64,AAAA"},
+                                                         {"type": "text", "text": "what is it?"}]}]
+
+
 @pytest.mark.parametrize("text, code, fragment", [
     ("{not json", "invalid_json", "not valid JSON"),
     ("[1, 2]", "invalid_line", "JSON object"),
@@ -78,7 +90,9 @@ def test_simple_lines() -> None:
     ('{"prompt": "x", "max_tokens": 1048576, "n": 2}', "invalid_request", "n x max_tokens is 2,097,152"),
     ('{"prompt": "x", "top_p": 0}', "invalid_request", "top_p"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "invalid_request", "role"),
-    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "text parts"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "image_url.url"),
+    ('{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}', "invalid_request",
+     "only text and image_url parts"),
     ('{"prompt": ["a", "b"]}', "invalid_request", "one prompt per line"),
     (openai_line("/v1/images/generations", {"prompt": "x"}), "invalid_request", "url must be"),
     (openai_line("/v1/embeddings", {"input": "x", "max_tokens": 3}), "invalid_request", "unsupported field"),
