@@ -88,3 +88,34 @@ def image_bytes(image: Any, fmt: str = "PNG") -> bytes:
 
 def data_url(image: Any, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(image_bytes(image, fmt)).decode()
+
+
+def make_tiny_idefics3(path: Path, seed: int = 0) -> Path:
+    """An Idefics3 (SmolVLM's architecture: SigLIP-style tower, pixel-shuffle connector, Llama decoder) with
+    random weights and its processor: images split into 32-pixel tiles plus a global view, 4 image tokens
+    each, between row/column and <fake_token_around_image> tokens."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+
+    tok = smollm2_tokenizer().__class__.from_pretrained(_tokenizer_copy(path.parent))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>"]})
+    tok.add_tokens([f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = Idefics3Config(vision_config=vision, text_config=LlamaConfig(**_text_config(len(tok))).to_dict(),
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(cfg)
+    _widen(model)
+    model.save_pretrained(path)
+    images = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                    do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path
