@@ -451,4 +451,6 @@ def _part(p: Any, i: int) -> dict[str, str]:
         if not isinstance(url, str) or not url:
             raise ValueError(f"messages[{i}].content: an image_url part needs image_url.url")
         return {"type": "image", "url": url}
+    if kind == "image" and isinstance(p.get("url"), str) and p["url"]:  # already normalized (a dataset row's line)
+        return {"type": "image", "url": p["url"]}
     raise ValueError(f"messages[{i}].content: only text and image_url parts are supported")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from helpers import fresh_seed
-from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.lines import LineError, normalize_messages, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import (
     Choice,
@@ -78,6 +78,7 @@ def test_image_parts_stay_parts() -> None:
     job = parse_line(json.dumps({"messages": [{"role": "user", "content": parts}]}), 1)
     assert job.messages == [{"role": "user", "content": [{"type": "image", "url": "data:image/png;base64,AAAA"},
                                                          {"type": "text", "text": "what is it?"}]}]
+    assert normalize_messages(job.messages) == job.messages  # a dataset row's line is parsed again
 
 
 @pytest.mark.parametrize("text, code, fragment", [
