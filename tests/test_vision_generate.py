@@ -39,3 +39,20 @@ def test_generate_takes_image_lines(tmp_path: Path) -> None:
     body = got["img"]["response"]["body"]
     assert body["choices"][0]["message"]["content"] == c.text
     assert body["usage"]["prompt_tokens"] == len(c.prompt_token_ids) > 36  # the image's 36 tokens counted
+
+
+def test_python_api_takes_image_messages(tmp_path: Path) -> None:
+    """sluice.generate over rows whose messages hold image parts: the engine's text per row."""
+    import sluice
+
+    model = make_tiny_llava(tmp_path / "llava" / "m", seed=3)
+    rng = random.Random(fresh_seed())
+    rows = [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(random_image(rng, 40 + i, 50))}},
+        {"type": "text", "text": f"caption {i}"}]}]} for i in range(3)]
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=16 << 20)
+    out = sluice.generate(rows, llm=llm, max_tokens=5, temperature=0, progress=False)
+    want = llm.generate([Request(f"x{i}", messages=normalize_messages(r["messages"]),
+                                 params=SamplingParams(max_tokens=5, temperature=0)) for i, r in enumerate(rows)])
+    assert [r["completion"] for r in out] == [c.text for c in want]
+    assert llm.stats["images_encoded"] == 3  # the second run: from the prefix and encoder caches
