@@ -31,7 +31,7 @@ def job_endpoint(job: Job) -> str:
 def prompt_chars(job: Job) -> int:
     """The size the prompt limit applies to: characters of text, or a count of token ids."""
     if job.messages is not None:
-        return sum(len(m["content"]) for m in job.messages)
+        return sum(_content_chars(m["content"]) for m in job.messages)
     if job.score is not None:
         return score_chars(job.score)
     if job.input is not None:  # an embedding job: a string, strings, token ids, or lists of them
@@ -40,6 +40,11 @@ def prompt_chars(job: Job) -> int:
     if job.prompts is not None:  # several prompts: the limit is on them all
         return sum(len(p) for p in job.prompts)
     return len(job.prompt) if job.prompt is not None else len(job.prompt_token_ids or ())
+
+
+def _content_chars(content: str | list[dict[str, str]]) -> int:
+    """Characters of text; an image part counts none (its size is the worker's limit, and the line's)."""
+    return len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
 
 
 def named_model(job: Job) -> str | None:

@@ -21,10 +21,16 @@ class Block:
     hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
     lora: str | None = None  # the adapter whose KV this is: the same tokens under another adapter differ
+    images: tuple[str, ...] = ()  # content hashes of the images whose tokens it holds: same placeholders, other KV
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...], images: tuple[str, ...] = ()) -> int:
+    return hash((prev_hash, token_ids, images)) if images else hash((prev_hash, token_ids))
+
+
+def block_images(seq: Sequence, start: int, end: int) -> tuple[str, ...]:
+    """Content hashes of ``seq``'s images with a token in positions [start, end)."""
+    return tuple(x.key for x in seq.images if x.overlaps(start, end)) if seq.images else ()
 
 
 class BlockManager:
@@ -66,7 +72,9 @@ class BlockManager:
         for i, h in enumerate(seq.block_hashes[: (seq.num_tokens - 1) // bs]):
             block_id = self.hash_to_block.get(h)
             block = None if block_id is None else self.blocks[block_id]
-            if block_id is None or block is None or block.lora != seq.lora or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if (block_id is None or block is None or block.lora != seq.lora
+                    or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                    or block.images != block_images(seq, i * bs, (i + 1) * bs)):
                 break
             hits.append(block_id)
         return hits
@@ -126,7 +134,8 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_full_blocks):
             # A LoRA adapter's chain starts from its name: its KV is not the base's for the same tokens.
             prev = seq.block_hashes[-1] if seq.block_hashes else (None if seq.lora is None else hash(("lora", seq.lora)))
-            seq.block_hashes.append(chain_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            images = block_images(seq, i * bs, (i + 1) * bs)
+            seq.block_hashes.append(chain_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs]), images))
 
     def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
@@ -138,7 +147,7 @@ class BlockManager:
             if block.hash is not None or h in self.hash_to_block:  # published, or another block has it
                 continue
             block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block.lora = seq.lora
+            block.lora, block.images = seq.lora, block_images(seq, i * bs, (i + 1) * bs)
             self.hash_to_block[h] = block.block_id
 
     def _take(self, block_id: int) -> None:
@@ -152,4 +161,4 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids, block.lora = None, (), None
+        block.hash, block.token_ids, block.lora, block.images = None, (), None, ()

@@ -55,6 +55,13 @@ class EngineConfig:
     # Ranks (processes, one device each on CUDA) that split every layer (engine/parallel/). The KV cache
     # budget (kv_cache_memory) is per rank: each holds its own share of the KV heads.
     tensor_parallel_size: int = 1
+    # Images in chat requests to vision-language models (engine/vision.py, engine/image_source.py): data: URLs
+    # always; other URLs (paths, file://, s3://, https://) only under these prefixes (none by default).
+    image_url_prefixes: tuple[str, ...] = ()
+    max_image_bytes: int = 20 << 20  # one image's encoded bytes
+    max_image_pixels: int = 25_000_000  # width x height, read from the header before decoding
+    max_images_per_request: int = 16
+    image_cache_size: int = 256  # images whose encoder rows a worker keeps, by content hash
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -79,6 +86,9 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if min(self.max_image_bytes, self.max_image_pixels, self.max_images_per_request) < 1 or self.image_cache_size < 0:
+            raise ValueError("max_image_bytes, max_image_pixels and max_images_per_request must be >= 1, "
+                             "image_cache_size >= 0")
 
     @property
     def serves_lora(self) -> bool:

@@ -24,13 +24,14 @@ from sluice.engine.loader import (
     dense_path,
     load_config,
     load_hf_model,
+    load_processor,
     load_tokenizer,
     resolve_model,
 )
 from sluice.engine.lora.adapters import require_peft
 from sluice.engine.lora.manager import LoraManager
 from sluice.engine.model_runner import ModelRunner
-from sluice.engine.models.base import CausalLM
+from sluice.engine.models.base import CausalLM, UnsupportedModelError
 from sluice.engine.models.native_load import load_native
 from sluice.engine.models.select import build_model
 from sluice.engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
@@ -41,6 +42,7 @@ from sluice.engine.reasoning import attach_thinking, find_parser, split_output
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.startup_clock import StartupClock
+from sluice.engine.vision import ImageItem, VisionEncoder, image_urls, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class LLM(Intake[_RequestState, Completion]):
         checkpoint_config = load_config(src)
         check_decoder_only(checkpoint_config)  # before anything reads the config as a decoder's
         clock.lap("config")  # a GGUF model's first load dequantizes it here (engine/loader.py)
-        self.dtype = _pick_dtype(self.config.dtype, self.device, checkpoint_config, self.config.cpu_linear)
+        self.dtype = _pick_dtype(self.config.dtype, self.device, checkpoint_config.get_text_config(), self.config.cpu_linear)
         clock.lap("dtype")
         self.model_impl = pick_impl(checkpoint_config, self.config.quantization, self.config.model_impl)
         quant = plan_quantization(checkpoint_config, self.config.quantization, self.model_impl, self.device)
@@ -77,14 +79,19 @@ class LLM(Intake[_RequestState, Completion]):
         fast = self.model_impl == "native" and quant.load_config is None and self.config.tensor_parallel_size == 1
         hf = None if fast else load_hf_model(src, self.dtype, quant.load_config)
         clock.lap("weights")
-        self.tokenizer = load_tokenizer(src, checkpoint_config)
+        processor = load_processor(src) if is_vision_config(checkpoint_config) else None
+        self.tokenizer = load_tokenizer(src, checkpoint_config) if processor is None else processor.tokenizer
         clock.lap("tokenizer")
         self.hf_config = checkpoint_config if hf is None else hf.config
-        max_len = _model_max_len(self.hf_config, self.model_impl)
+        self.text_config = self.hf_config.get_text_config()  # a vision-language model's decoder; else the config
+        max_len = _model_max_len(self.text_config, self.model_impl)
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         if self.config.tensor_parallel_size > 1:
             from sluice.engine.parallel.build import check_supported, driver_device
+
+            if processor is not None:
+                raise UnsupportedModelError("vision-language models run on one device for now (tensor_parallel_size 1)")
 
             check_supported(self.model_impl, self.hf_config, self.config.tensor_parallel_size)
             self.device = driver_device(self.device)
@@ -113,6 +120,9 @@ class LLM(Intake[_RequestState, Completion]):
         del hf
         self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)  # loads the C++ ops
         self.runner.lora = self.lora
+        self.vision = None if processor is None else VisionEncoder(cast(Any, net).hf, processor, self.config, self.device,
+                                                                    self.dtype)
+        self.runner.vision = self.vision
         if self.lora is not None:  # the C++ LoRA op is built and loaded with the C++ attention op
             self.lora.use_cpu_op = self.runner.kernels is not None and self.device.type == "cpu"
         clock.lap("ops")
@@ -124,11 +134,11 @@ class LLM(Intake[_RequestState, Completion]):
                  num_blocks * self.config.block_size, self.dtype, self.device,
                  num_blocks * self.runner.bytes_per_block() / 1e9, allocated_s)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, src)
+        self.eos_ids = _eos_ids(self.text_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
         if self.lora is not None:
             self.lora.in_use = self.scheduler.lora_in_use  # never evicted from under a running sequence
-        self.guided = GuidedDecoding(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+        self.guided = GuidedDecoding(self.tokenizer, self.text_config.vocab_size, self.eos_ids)
         self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
         self._seq_ids = itertools.count()
         self.num_steps = 0
@@ -156,7 +166,7 @@ class LLM(Intake[_RequestState, Completion]):
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.text_config.vocab_size
 
     @property
     def num_running(self) -> int:
@@ -176,6 +186,8 @@ class LLM(Intake[_RequestState, Completion]):
             "prompt_tokens": self.block_manager.query_tokens,
             "max_running": self.max_running_seen,
             "num_blocks": self.num_total_blocks,
+            "images_encoded": self.vision.num_encoded if self.vision is not None else 0,
+            "image_cache_hits": self.vision.num_cache_hits if self.vision is not None else 0,
         }
 
     def close(self) -> None:
@@ -190,7 +202,7 @@ class LLM(Intake[_RequestState, Completion]):
         as a Completion with finish_reason "error"; nothing else is affected."""
         arrival = time.time()
         try:
-            prompt_ids = self._prompt_ids(request)
+            prompt_ids, images = self._prompt_ids(request)
             self._check_token_ids(request)
             self._check_fits(request, prompt_ids)
             self._check_lora(request)
@@ -198,7 +210,7 @@ class LLM(Intake[_RequestState, Completion]):
         except ValueError as e:
             self._reject(_error_completion(request, str(e), arrival))
             return
-        seqs = [self._make_seq(request, prompt_ids, i, arrival) for i in range(request.params.n)]
+        seqs = [self._make_seq(request, prompt_ids, i, arrival, images) for i in range(request.params.n)]
         self.guided.attach(seqs, grammar)
         attach_thinking(seqs, self.reasoning, request, prompt_ids)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)
@@ -271,11 +283,17 @@ class LLM(Intake[_RequestState, Completion]):
         """``finished`` (finished requests' tokens) plus those of the requests in flight."""
         return finished + sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
 
-    def _prompt_ids(self, request: Request) -> list[int]:
+    def _prompt_ids(self, request: Request) -> tuple[list[int], list[ImageItem] | None]:
+        """The prompt's token ids, and a chat request's images (None: no images)."""
         self._check_new(request.request_id)
+        images = None
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
+        elif request.messages is not None and self.vision is not None:
+            ids, images = self.vision.prompt(request)
         elif request.messages is not None:
+            if image_urls(request.messages):
+                raise ValueError(f"the model ({self.hf_config.model_type}) takes no images: it is not a vision-language model")
             ids = render_chat(self.tokenizer, request)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
@@ -283,15 +301,15 @@ class LLM(Intake[_RequestState, Completion]):
             raise ValueError("a request needs prompt, messages or prompt_token_ids")
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.hf_config.vocab_size
+        vocab = self.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+        return ids, images or None
 
     def _check_token_ids(self, request: Request) -> None:
         """Token ids a request names besides its prompt: outside the vocabulary they would index past
         the logits in the sampler and fail the whole step (every request in it)."""
-        vocab = self.hf_config.vocab_size
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in request.params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
 
@@ -318,10 +336,12 @@ class LLM(Intake[_RequestState, Completion]):
         return LoraManager(net, self.model_impl, c.lora_modules or {}, c.max_loras, c.max_lora_rank, self.device,
                            self.dtype, c.lora_roots or (), c.max_cpu_loras)
 
-    def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float) -> Sequence:
+    def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float,
+                  images: list[ImageItem] | None) -> Sequence:
         p = request.params
+        # The n samples share their images' items: each image is encoded once for all of them.
         seq = Sequence(next(self._seq_ids), request.request_id, index, list(prompt_ids), len(prompt_ids), p,
-                       arrival_time=arrival, lora=request.lora, priority=request.priority)
+                       arrival_time=arrival, lora=request.lora, priority=request.priority, images=images)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
         if p.logprobs is not None:
             seq.logprobs = []

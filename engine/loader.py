@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.vision import is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +183,21 @@ def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype, quantizat
     """transformers' own model on the same weights: our weight source and our test reference.
     ``quantization_config``: transformers' quantizer to load through (engine/quant/methods.py); None
     loads the checkpoint as it is (quantized where its config says so)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     src = _source(model)
-    check_decoder_only(load_config(src))
+    config = load_config(src)
+    check_decoder_only(config)
     extra = {} if quantization_config is None else {"quantization_config": quantization_config}
-    return AutoModelForCausalLM.from_pretrained(dense_path(src), dtype=dtype, **extra)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    return auto.from_pretrained(dense_path(src), dtype=dtype, **extra)
+
+
+def load_processor(model: str | ModelSource | None) -> Any:
+    """A vision-language model's processor (its chat template, image processor and tokenizer)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(dense_path(_source(model)))
 
 
 def load_config(model: str | ModelSource | None) -> Any:
@@ -242,5 +252,5 @@ def check_decoder_only(config: Any) -> None:
     tested = f"decoder-only models transformers can load (tested: {', '.join(TESTED_TRANSFORMERS)})"
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{kind} is an encoder-decoder model; Sluice runs {tested}")
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not is_vision_config(config):
         raise UnsupportedModelError(f"{kind} has no causal language model in transformers; Sluice runs {tested}")

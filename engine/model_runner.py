@@ -33,6 +33,7 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import Sequence
 from sluice.engine.triton_attention import TritonAttention
+from sluice.engine.vision import VisionEncoder, needs_images, step_images
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.decode_runner: DecodeGraphRunner | None = None
         self.graph_reserve_bytes = 0  # what KV sizing left for the decode graphs (CUDA)
         self.lora: LoraManager | None = None  # LoRA adapters: each step tells it which rows take which
+        self.vision: VisionEncoder | None = None  # a vision-language model's images (engine/vision.py)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -172,12 +174,18 @@ class ModelRunner:
             scheduled, batch = batch.seqs, ScheduledBatch([batch.seqs[i] for i in order],
                                                           [batch.num_new_tokens[i] for i in order])
         scoring = wants_prompt_logprobs(batch.seqs)  # prompt logprobs need every computed row's hidden state
-        decoded = self.decode_runner.run(batch) if self.decode_runner is not None and not scoring else None
+        images = self.vision is not None and needs_images(batch.seqs, batch.num_new_tokens)
+        graph = self.decode_runner is not None and not scoring and not images
+        decoded = self.decode_runner.run(batch) if graph and self.decode_runner is not None else None
         if decoded is not None:  # a decode-only step, padded to its bucket (a graph replay on CUDA)
             hidden, samplers = decoded
         else:
             input_ids, positions, meta, last_rows, samplers = self.prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            if images and self.vision is not None:  # image rows replace those tokens' embeddings
+                step = step_images(self.vision, batch.seqs, batch.num_new_tokens)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, images=step)  # type: ignore[call-arg]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             if scoring:
                 record_prompt_logprobs(self.model, hidden, batch.seqs, batch.num_new_tokens)
             hidden = hidden[last_rows]

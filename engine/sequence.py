@@ -32,6 +32,7 @@ class Sequence:
     think: Any = None  # sluice.engine.reasoning.ThinkState for a chat request to a reasoning model
     lora: str | None = None  # the LoRA adapter's name; None: the base model
     priority: int = 0  # higher first (Request.priority)
+    images: list[Any] | None = None  # sluice.engine.vision.ImageItem of a chat request with images, in prompt order
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

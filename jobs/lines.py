@@ -404,7 +404,8 @@ def parse_deadline(v: Any) -> float:
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check chat messages; text parts are joined into one string (the chat template wants strings)."""
+    """Check chat messages; text parts are joined into one string (a chat template wants strings), unless
+    the content has images."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -413,11 +414,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}] needs a role in {sorted(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):
-            content = _text_parts(content, i)
+            content = _content_parts(content, i)
         if content is None and m["role"] == "assistant" and m.get("tool_calls"):
             content = ""  # an assistant turn that only calls tools
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or text parts")
+        if not isinstance(content, str | list):
+            raise ValueError(f"messages[{i}].content must be a string or content parts")
         msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
         if m.get("tool_calls"):
             msg["tool_calls"] = _input_tool_calls(m["tool_calls"], i)
@@ -450,10 +451,25 @@ def _input_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _text_parts(parts: list[Any], i: int) -> str:
-    texts = []
-    for p in parts:
-        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-            raise ValueError(f"messages[{i}].content: only text parts are supported")
-        texts.append(p["text"])
-    return "".join(texts)
+def _content_parts(parts: list[Any], i: int) -> str | list[dict[str, str]]:
+    """Text parts joined into one string; with images, the parts as processors' chat templates read them
+    (``{"type": "image", "url": ...}``; the worker reads the URL, within its own limits: engine/image_source.py)."""
+    out = [_part(p, i) for p in parts]
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _part(p: Any, i: int) -> dict[str, str]:
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind == "text" and isinstance(p.get("text"), str):
+        return {"type": "text", "text": p["text"]}
+    if kind == "image_url":
+        url = p.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"messages[{i}].content: an image_url part needs image_url.url")
+        return {"type": "image", "url": url}
+    if kind == "image" and isinstance(p.get("url"), str) and p["url"]:  # already normalized (a dataset row's line)
+        return {"type": "image", "url": p["url"]}
+    raise ValueError(f"messages[{i}].content: only text and image_url parts are supported")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from helpers import fresh_seed
-from sluice.jobs.lines import LineError, parse_line
+from sluice.jobs.lines import LineError, normalize_messages, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import (
     Choice,
@@ -72,6 +72,19 @@ def test_simple_lines() -> None:
     assert chat.custom_id == "17" and chat.kind == "chat" and chat.params.n == 2
 
 
+def test_image_parts_stay_parts() -> None:
+    """Text parts alone join into one string; with an image, the parts as processors' chat templates read them."""
+    text = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert parse_line(json.dumps({"messages": [{"role": "user", "content": text}]}), 1).messages == [
+        {"role": "user", "content": "ab"}]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+             {"type": "text", "text": "what is it?"}]
+    job = parse_line(json.dumps({"messages": [{"role": "user", "content": parts}]}), 1)
+    assert job.messages == [{"role": "user", "content": [{"type": "image", "url": "data:image/png;base64,AAAA"},
+                                                         {"type": "text", "text": "what is it?"}]}]
+    assert normalize_messages(job.messages) == job.messages  # a dataset row's line is parsed again
+
+
 @pytest.mark.parametrize("text, code, fragment", [
     ("{not json", "invalid_json", "not valid JSON"),
     ("[1, 2]", "invalid_line", "JSON object"),
@@ -82,7 +95,9 @@ def test_simple_lines() -> None:
     ('{"prompt": "x", "max_tokens": 1048576, "n": 2}', "invalid_request", "n x max_tokens is 2,097,152"),
     ('{"prompt": "x", "top_p": 0}', "invalid_request", "top_p"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "invalid_request", "role"),
-    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "text parts"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "invalid_request", "image_url.url"),
+    ('{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}', "invalid_request",
+     "only text and image_url parts"),
     ('{"prompt": ["a", []]}', "invalid_request", "prompt[1] must be a string or a list of token ids"),
     ('{"prompt": [[1, 2], ["x"]]}', "invalid_request", "prompt[1] must be"),
     ('{"prompt": []}', "invalid_request", "prompt must be"),

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-root", dest="lora_roots", action="append", default=None, metavar="DIR_OR_URL",
                    help="where adapters lines name as BASE:NAME are loaded from when not loaded (repeatable)")
     p.add_argument("--max-cpu-loras", type=int, help="loaded adapters kept in CPU memory (default: 4 x max-loras)")
+    p.add_argument("--image-url-prefix", action="append", default=None, metavar="PREFIX",
+                   help="image URLs lines may name besides data: URLs, e.g. file:///data/photos/ or s3://bucket/ "
+                        "(repeatable; default: none, so a line cannot make the worker read a file)")
     # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
     p.add_argument("--lookahead", type=int)
     for f in RETRY_FLAGS:  # spelled once in jobs/settings.py (sluice worker takes them too)
@@ -54,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as e:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    given = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "lora")}
+    given = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "lora", "image_url_prefix")}
+    if a.image_url_prefix:
+        given["image_url_prefixes"] = tuple(a.image_url_prefix)
     if a.lora:
         given["lora_modules"] = dict(a.lora)
     try:

@@ -41,7 +41,7 @@ def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: 
     from sluice.worker.lora import job_adapter
     from tqdm import tqdm
 
-    vocab = getattr(getattr(engine, "hf_config", None), "vocab_size", None)
+    vocab = getattr(engine, "vocab_size", None)  # a vision-language model's is its decoder's
     window = WINDOW_PER_SEQ * getattr(getattr(engine, "config", None), "max_num_seqs", 64)
     in_flight: dict[str, Job] = {}
     more = True

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
 from sluice.engine.models.base import UnsupportedModelError
+from sluice.engine.vision import StepImages, is_vision_config
 from torch import nn
 
 ATTN_IMPL = "sluice"
@@ -78,7 +79,8 @@ class TransformersForCausalLM(nn.Module):
     def __init__(self, hf: Any) -> None:
         super().__init__()
         _register()
-        hf.set_attn_implementation(ATTN_IMPL)
+        # A vision-language model: the decoder's attention only; the vision tower keeps transformers' own.
+        hf.set_attn_implementation({"text_config": ATTN_IMPL} if is_vision_config(hf.config) else ATTN_IMPL)
         hf.config.use_cache = False
         self.hf = hf.eval()
         self.config = hf.config
@@ -89,14 +91,20 @@ class TransformersForCausalLM(nn.Module):
         self._spec = self._probe()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, images: StepImages | None = None) -> torch.Tensor:
         step = SluiceStep(kv_caches, meta, backend)
-        return self._hidden(input_ids, positions, step)
+        return self._hidden(input_ids, positions, step, images)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, step: SluiceStep) -> torch.Tensor:
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, step: SluiceStep,
+                images: StepImages | None = None) -> torch.Tensor:
         # Packed tokens of every sequence are one batch row; attention alone keeps the sequences apart.
-        out = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                           **{STEP_KWARG: step})
+        if images is None:
+            inputs: dict[str, torch.Tensor] = {"input_ids": input_ids[None]}
+        else:  # a vision-language model's step: the image rows replace their placeholder tokens' embeddings
+            embeds = self.decoder.get_input_embeddings()(input_ids)
+            embeds[images.rows] = images.values.to(embeds.dtype)
+            inputs = {"inputs_embeds": embeds[None]}
+        out = self.decoder(position_ids=positions[None], use_cache=False, **inputs, **{STEP_KWARG: step})
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

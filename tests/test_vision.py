@@ -1,0 +1,179 @@
+"""Images in chat requests to vision-language models: greedy tokens identical to transformers' generate on
+the same images and prompts (float32, CPU), in a mixed batch of text-only and image requests under
+preemption and chunked prefill; the encoder's cache; prefix caching keyed by image content."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import fresh_seed
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import Completion, Request
+from sluice.engine.sampling_params import SamplingParams
+from vision_helpers import data_url, make_tiny_idefics3, make_tiny_llava, random_image
+
+MAX_NEW = 24
+BLOCK = 16
+WORDS = "a photo of the red cat on a blue mat with green dogs and yellow birds near the old tree".split()
+
+
+def _kv_bytes(text_config: Any, num_blocks: int) -> int:
+    head_dim = text_config.hidden_size // text_config.num_attention_heads
+    return num_blocks * text_config.num_hidden_layers * 2 * BLOCK * text_config.num_key_value_heads * head_dim * 4
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _content(parts: list[Any], as_url: bool) -> list[dict[str, Any]]:
+    """Chat content parts: strings are text, PIL images are image parts (a data: URL for the engine, the image
+    itself for transformers' processor)."""
+    out: list[dict[str, Any]] = []
+    for p in parts:
+        if isinstance(p, str):
+            out.append({"type": "text", "text": p})
+        else:
+            out.append({"type": "image", "url": data_url(p)} if as_url else {"type": "image", "image": p})
+    return out
+
+
+def _messages(turns: list[tuple[str, Any]], as_url: bool) -> list[dict[str, Any]]:
+    return [{"role": role, "content": c if isinstance(c, str) else _content(c, as_url)} for role, c in turns]
+
+
+class Reference:
+    """transformers' own processor and generate on a saved model: the reference."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+    def inputs(self, turns: list[tuple[str, Any]]) -> dict[str, Any]:
+        return self.processor.apply_chat_template(_messages(turns, as_url=False), add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True, return_tensors="pt")
+
+    def greedy(self, turns: list[tuple[str, Any]], max_new: int = MAX_NEW) -> tuple[list[int], list[int]]:
+        enc = self.inputs(turns)
+        out = self.hf.generate(**enc, max_new_tokens=max_new, do_sample=False)
+        n = enc["input_ids"].shape[1]
+        return enc["input_ids"][0].tolist(), out[0, n:].tolist()
+
+    def assert_matches(self, turns: list[tuple[str, Any]], c: Completion, tol: float = 1e-4) -> None:
+        """Token-identical, or else the first difference is a genuine near-tie in the reference's logits."""
+        prompt, ref = self.greedy(turns)
+        assert c.error is None, c.error
+        assert c.prompt_token_ids == prompt
+        ours = c.token_ids
+        if ours == ref:
+            return
+        t = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
+        assert t < min(len(ours), len(ref)), f"lengths differ without a differing token: {len(ours)} vs {len(ref)}"
+        enc = self.inputs(turns)
+        ids = torch.tensor([prompt + ref[:t]])
+        with torch.no_grad():
+            logits = self.hf(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             **{k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}).logits
+        row = logits[0, -1].double()
+        gap = abs(float(row[ours[t]] - row[ref[t]]))
+        assert gap <= tol, f"token {t} differs: ours {ours[t]} vs {ref[t]}, logit gap {gap:.3g}\nours={ours}\nref ={ref}"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Reference]:
+    path = make_tiny_llava(tmp_path_factory.mktemp("llava") / "m", seed=1)
+    return path, Reference(path)
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Reference]:
+    path = make_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "m", seed=1)
+    return path, Reference(path)
+
+
+def _request(rid: str, turns: list[tuple[str, Any]], max_new: int = MAX_NEW) -> Request:
+    return Request(rid, messages=_messages(turns, as_url=True), params=SamplingParams(max_tokens=max_new))
+
+
+def _lines(rng: random.Random) -> list[list[tuple[str, Any]]]:
+    """Text-only and image chats: one image, two images, an image repeated in another line, a system turn."""
+    a, b, c = (random_image(rng, rng.randint(30, 90), rng.randint(30, 90)) for _ in range(3))
+    return [
+        [("user", [a, _text(rng, 6)])],
+        [("user", _text(rng, 12))],
+        [("system", _text(rng, 10)), ("user", [_text(rng, 3), b, _text(rng, 4), c])],
+        [("user", [a, _text(rng, 9)])],
+        [("user", [_text(rng, 5)])],
+        [("user", [c, _text(rng, 2)])],
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llava", "idefics3"])
+def test_matches_generate_under_preemption_and_chunked_prefill(arch: str, request: pytest.FixtureRequest) -> None:
+    """Six lines in one run on a cache too small for them (preemption) with a 24-token step budget (prefill
+    chunks that cut images apart): each line's tokens are transformers' own; each image is encoded once.
+    Idefics3 splits each image into tiles: many image-token runs per image, between text tokens."""
+    path, ref = request.getfixturevalue(arch)
+    lines = _lines(random.Random(fresh_seed()))
+    text_config = ref.hf.config.get_text_config()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=_kv_bytes(text_config, 14), max_num_batched_tokens=24,
+              max_num_seqs=6, block_size=BLOCK)
+    assert llm.model_impl == "transformers" and llm.vision is not None
+    outs = llm.generate([_request(f"r{i}", t) for i, t in enumerate(lines)])
+    for turns, c in zip(lines, outs, strict=True):
+        ref.assert_matches(turns, c)
+    assert llm.stats["preemptions"] > 0
+    assert llm.stats["images_encoded"] == 3  # a, b, c: image a's second line and every recompute hit the cache
+    assert llm.num_free_blocks == llm.num_total_blocks
+    assert all(c.usage.prompt_tokens == len(c.prompt_token_ids) for c in outs)  # image tokens counted
+
+
+def test_prefix_cache_is_keyed_by_image_content(llava: tuple[Path, Reference]) -> None:
+    """The same image and text share their KV; another image behind the same placeholder tokens shares only
+    the blocks before it. Each line's tokens stay transformers' own."""
+    path, ref = llava
+    rng = random.Random(fresh_seed())
+    a, b = random_image(rng, 64, 48), random_image(rng, 40, 70)
+    system = ("system", _text(rng, 30))  # two blocks and more before the image
+    first = [system, ("user", [a, "describe it"])]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    assert llm.vision is not None
+    (c1,) = llm.generate([_request("first", first)])
+    ref.assert_matches(first, c1)
+    assert c1.usage.cached_tokens == 0 and llm.stats["images_encoded"] == 1
+
+    same = [system, ("user", [a, "describe it"])]
+    (c2,) = llm.generate([_request("same", same)])
+    ref.assert_matches(same, c2)
+    assert c2.usage.cached_tokens == (len(c2.prompt_token_ids) - 1) // BLOCK * BLOCK  # all but the last block
+    assert llm.stats["images_encoded"] == 1  # its tokens' KV came from the cache: not even the encoder ran
+
+    moved = [("system", _text(rng, 5)), ("user", [a, "describe it"])]  # no shared prefix, the same image
+    (c4,) = llm.generate([_request("moved", moved)])
+    ref.assert_matches(moved, c4)
+    assert llm.stats["images_encoded"] == 1 and llm.stats["image_cache_hits"] == 1
+
+    other = [system, ("user", [b, "describe it"])]
+    (c3,) = llm.generate([_request("other", other)])
+    ref.assert_matches(other, c3)
+    first_image = c3.prompt_token_ids.index(llm.vision.image_token_id)
+    assert c3.prompt_token_ids == c1.prompt_token_ids  # the same tokens: only the image differs
+    assert c3.usage.cached_tokens == first_image // BLOCK * BLOCK > 0  # the blocks before the image alone
+    assert llm.stats["images_encoded"] == 2
+
+
+def test_n_samples_share_one_encoding(llava: tuple[Path, Reference]) -> None:
+    path, _ = llava
+    img = random_image(random.Random(fresh_seed()), 50, 50)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    req = Request("n", messages=_messages([("user", [img, "hi"])], as_url=True),
+                  params=SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=1))
+    (c,) = llm.generate([req])
+    assert c.error is None and len(c.outputs) == 3
+    assert llm.stats["images_encoded"] == 1
