@@ -86,7 +86,7 @@ def cli(verbose: bool) -> None:
 def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
              max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None, policy: str,
              enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-             memory_budget: int | None, tensor_parallel_size: int,
+             kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int,
              lora_modules: dict[str, str], max_loras: int, max_lora_rank: int, max_tokens: int | None,
              temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
              rows: RowFlags, resume: bool, no_progress: bool, arrival_order: bool) -> None:
@@ -101,7 +101,8 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     """
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
     kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser, quantization, memory_budget, tensor_parallel_size)
+                           model_impl, reasoning_parser, quantization, memory_budget, tensor_parallel_size,
+                           kv_cache_dtype=kv_cache_dtype)
     kwargs.update(lora_kwargs(lora_modules, max_loras, max_lora_rank))  # lines naming an adapter run on it
     if wants_dataset(rows, input_file, output_file):
         _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress,

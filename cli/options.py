@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+from sluice.engine.config import KV_CACHE_DTYPES  # a plain module (no torch): the flag's one list of values
 from sluice.jobs.schemas import SamplingParams
 from sluice.jobs.units import parse_duration, parse_size
 
@@ -70,6 +71,9 @@ engine_options = [
                default="auto", show_default=True, help="Weights: auto (the checkpoint's own quantization, else "
                "dense), int8 (weight-only, quantized at load; native path or torchao), w8a8 (torchao, int8 "
                "activations too) or int4 (torchao, CUDA only)."),
+    env_option("--kv-cache-dtype", envvar="SLUICE_KV_CACHE_DTYPE", type=click.Choice(KV_CACHE_DTYPES),
+               default="auto", show_default=True, help="KV cache: auto (the model's dtype) or int8 (a scale per "
+               "token and KV head: about twice the sequences for the same --kv-cache-memory). fp8: not yet."),
     env_option("--memory-budget", envvar="SLUICE_MEMORY_BUDGET", type=SIZE, default=None,
                help="Bytes for the weights and the KV cache together, e.g. 8GiB: the KV cache gets what the "
                "loaded weights leave (quantized weights leave more). --kv-cache-memory wins where both are set."),
@@ -124,9 +128,11 @@ def sampling_defaults(max_tokens: int | None, temperature: float | None, top_p: 
 def engine_kwargs(dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
                   policy: str, enforce_eager: bool = False, model_impl: str = "auto",
                   reasoning_parser: str = "auto", quantization: str = "auto",
-                  memory_budget: int | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                  memory_budget: int | None = None, tensor_parallel_size: int = 1,
+                  kv_cache_dtype: str = "auto") -> dict[str, Any]:
     # The token budget's default belongs to each engine's config (EngineConfig, EmbeddingConfig): they differ.
     budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     return dict(dtype=dtype, max_num_seqs=max_num_seqs, **budget, kv_cache_memory=kv_cache_memory, policy=policy,
                 enforce_eager=enforce_eager, model_impl=model_impl, reasoning_parser=reasoning_parser,
-                quantization=quantization, memory_budget=memory_budget, tensor_parallel_size=tensor_parallel_size)
+                quantization=quantization, memory_budget=memory_budget, tensor_parallel_size=tensor_parallel_size,
+                kv_cache_dtype=kv_cache_dtype)

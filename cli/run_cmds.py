@@ -131,7 +131,7 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @job_server_errors
 def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None,
                kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
-               quantization: str, memory_budget: int | None, tensor_parallel_size: int,
+               quantization: str, kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int,
                queue: str | None, metrics_port: int | None,
                grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
                lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
@@ -141,7 +141,7 @@ def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget,
-                           tensor_parallel_size)
+                           tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
     engine.update(lora_kwargs(lora_modules, max_loras, max_lora_rank, lora_roots, max_cpu_loras))
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle,
@@ -243,7 +243,7 @@ class ApiThread:
 @job_server_errors
 def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
            policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-               memory_budget: int | None, tensor_parallel_size: int, queue: str | None,
+           kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int, queue: str | None,
            metrics_port: int | None, grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
            host: str, port: int) -> None:
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
@@ -262,7 +262,7 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     api.start()
     engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
                            model_impl, reasoning_parser, quantization, memory_budget,
-                           tensor_parallel_size)
+                           tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
     click.echo(f"loading {model or 'the default model'}; job server: {server_name()}", err=True)
     t0 = time.monotonic()
     try:

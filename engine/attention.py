@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from sluice.engine.huge_pages import zeros_huge
+from sluice.engine.kv_quant import dequantize_rows, is_quantized, quantize_rows, row_width
 
 
 @dataclass
@@ -90,8 +91,9 @@ class LayerKVSpec:
 
 def allocate_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
-    """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``."""
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    """One layer's K (or V) cache: head-major memory, viewed as ``[num_blocks, block_size, Hkv, D]``; an int8
+    cache's rows are ``D`` values and their scale (engine/kv_quant.py)."""
+    shape = (num_kv_heads, num_blocks, block_size, row_width(head_dim, dtype))
     if device.type == "cpu":
         memory = zeros_huge(shape, dtype)  # read in scattered pages: spare the TLB; faulted in now
     else:
@@ -207,10 +209,13 @@ class TorchAttention:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new K/V ``[T, Hkv, D]`` into head-major caches at their slots (-1 = skip)."""
+    """Write new K/V ``[T, Hkv, D]`` into head-major caches at their slots (-1 = skip); quantized into an int8
+    cache."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if is_quantized(k_hm):
+        k, v = quantize_rows(k), quantize_rows(v)
     h, d = k_hm.shape[0], k_hm.shape[-1]
     k_hm.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_hm.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
@@ -219,14 +224,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.T
 def _attend_group(q: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor, g: _Group, scale: float,
                   mask: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
     b, qm = g.q_rows.shape
-    h_kv, d = k_hm.shape[0], k_hm.shape[-1]
+    h_kv, d = k_hm.shape[0], q.shape[-1]
     group = q.shape[1] // h_kv
     lm = mask.shape[-1]
     # [B, Q, Hq, D] -> [B, Hkv, G*Q, D]: per KV head, each sequence's query heads side by side, so GQA is
     # plain attention with G*Q queries (the library's own GQA path is slow on CPU).
     qg = q[g.q_rows].view(b, qm, h_kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, group * qm, d)
-    keys = _gather_blocks(k_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
-    vals = _gather_blocks(v_hm, g).view(h_kv, b, lm, d).transpose(0, 1)
+    keys = _gather_blocks(k_hm, g, q.dtype).view(h_kv, b, lm, d).transpose(0, 1)
+    vals = _gather_blocks(v_hm, g, q.dtype).view(h_kv, b, lm, d).transpose(0, 1)
     mask = mask if qm == 1 else mask.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
     if soft_cap is None:
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
@@ -238,8 +243,9 @@ def _attend_group(q: torch.Tensor, k_hm: torch.Tensor, v_hm: torch.Tensor, g: _G
     return out.view(b, h_kv, group, qm, d).permute(0, 3, 1, 2, 4).reshape(b, qm, h_kv * group, d)
 
 
-def _gather_blocks(cache_hm: torch.Tensor, g: _Group) -> torch.Tensor:
-    """Copy the group's blocks out of a head-major cache as ``[Hkv, B * nb, block_size, D]``.
+def _gather_blocks(cache_hm: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
+    """Copy the group's blocks out of a head-major cache as ``[Hkv, B * nb, block_size, D]`` in ``dtype``
+    (an int8 cache's dequantized).
 
     Seen as a 2-D table of whole (head, block) rows, this is one row gather, which runs at memcpy
     speed; selecting along the block dimension of the 4-D tensor was several times slower."""
@@ -248,4 +254,5 @@ def _gather_blocks(cache_hm: torch.Tensor, g: _Group) -> torch.Tensor:
         heads = torch.arange(h, device=g.blocks.device)[:, None] * num_blocks
         g.rows = (heads + g.blocks[None, :]).flatten()
     table = cache_hm.view(h * num_blocks, -1)
-    return table.index_select(0, g.rows).view(h, g.blocks.numel(), *cache_hm.shape[2:])
+    rows = table.index_select(0, g.rows).view(h, g.blocks.numel(), *cache_hm.shape[2:])
+    return dequantize_rows(rows, dtype) if is_quantized(cache_hm) else rows

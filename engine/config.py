@@ -8,6 +8,7 @@ POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 CPU_LINEAR = ("auto", "aten", "onednn-packed", "fp32-compute")
 QUANTIZATIONS = ("auto", "int8", "w8a8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # fp8 is named so that asking for it gets a reason, not a usage error
 
 
 @dataclass
@@ -43,6 +44,9 @@ class EngineConfig:
     # Bytes for the weights and the KV cache together: the KV cache gets what the loaded weights leave
     # (their real bytes, so quantized weights leave more). None = kv_cache_memory or the device's default.
     memory_budget: int | None = None
+    # KV cache (engine/kv_quant.py): auto = the model's dtype | int8 (a scale per token and KV head; about twice
+    # the blocks for the same kv_cache_memory).
+    kv_cache_dtype: str = "auto"
     # LoRA adapters (engine/lora/): name -> peft folder; requests name one in Request.lora. At most
     # max_loras of them in memory and in one step's batch; ranks up to max_lora_rank.
     lora_modules: dict[str, str] | None = None
@@ -74,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"model_impl must be auto, native or transformers, not {self.model_impl!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("--kv-cache-dtype fp8 is not implemented: use int8 (8 bits a value too, with a scale "
+                             "per token and KV head)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.serves_lora or self.quantization != "auto"):

@@ -22,6 +22,7 @@ from sluice.engine.cpu_attention import CpuPagedAttention
 from sluice.engine.cpu_attention import describe as describe_cpu_attention
 from sluice.engine.graph_runner import DecodeGraphRunner
 from sluice.engine.guided import apply_guided_masks
+from sluice.engine.kv_quant import cache_dtype, row_width
 from sluice.engine.lora.batch import adapter_order
 from sluice.engine.lora.manager import LoraManager
 from sluice.engine.models.base import CausalLM
@@ -47,6 +48,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)  # what the cache holds: dtype, or int8
         self.block_size = config.block_size
         # The engine's own length limit (the model's, or max_model_len where smaller): positions run
         # 0..max_model_len-1, whichever path implements the model; the native rotary tables end there too.
@@ -66,7 +68,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model.kv_spec(), self.block_size, self.dtype)
+        return kv_bytes_per_block(self.model.kv_spec(), self.block_size, self.kv_dtype)
 
     def kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -87,7 +89,8 @@ class ModelRunner:
                 self.decode_runner.capture()  # a failed capture is logged and leaves the steps eager
 
     def _allocate(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.model.kv_spec(), num_blocks, self.block_size, self.kv_dtype,
+                                            self.device)
         if hasattr(self.model, "allocate_kv"):  # tensor parallel: the other ranks allocate theirs (engine/parallel/)
             self.model.allocate_kv(num_blocks)
         self.num_zeroed_blocks = num_blocks if self.device.type == "cpu" else 0  # allocate_kv zeroes CPU caches
@@ -257,9 +260,10 @@ def warmup_query_lens(num_tokens: int, max_positions: int) -> list[int]:
 
 
 def kv_bytes_per_block(spec: list[LayerKVSpec], block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block in every layer, each layer with its own head count and size."""
-    elem = torch.finfo(dtype).bits // 8
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in spec)
+    """K and V of one block in every layer, each layer with its own head count and size; ``dtype`` is the
+    cache's (int8: each row's scale counts too)."""
+    elem = dtype.itemsize
+    return sum(2 * block_size * layer.num_kv_heads * row_width(layer.head_dim, dtype) * elem for layer in spec)
 
 
 def allocate_kv_caches(spec: list[LayerKVSpec], num_blocks: int, block_size: int, dtype: torch.dtype,

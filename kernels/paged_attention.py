@@ -7,6 +7,9 @@ block size. Cache offsets are int64: ``block * stride`` overflows int32 in a big
 
 Softmax runs in base 2 (``exp2`` with the scale folded into ``log2(e) * scale``), accumulating in
 float32 whatever the input dtype.
+
+An int8 cache (``--kv-cache-dtype int8``, engine/kv_quant.py: each row's int8 values then its float32
+scale) is read as it lies: each tile's rows are widened and multiplied by their scales in registers.
 """
 
 from __future__ import annotations
@@ -39,14 +42,22 @@ def _load_kv_tile(
     stride_h,
     stride_d,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 rows, their float32 scale after the HEAD_DIM values
 ):
-    """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0)."""
+    """Gather ``[len(pos), BLOCK_D]`` rows of one KV head through the block table (masked rows are 0);
+    an int8 cache's dequantized, in float32."""
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     # int64 for the head too: in the head-major cache stride_h spans a whole layer's blocks, so
     # kv_head * stride_h passes 2**31 in a big cache even where each factor fits in 32 bits.
     row = block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head.to(tl.int64) * stride_h
     ptrs = cache_ptr + row[:, None] + dims[None, :] * stride_d
-    return tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+    vals = tl.load(ptrs, mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+    if QUANT:
+        scale_ptrs = (cache_ptr + row + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32), bitcast=True)
+        scale = tl.load(scale_ptrs, mask=pos_ok, other=0.0)
+        return vals.to(tl.float32) * scale[:, None]
+    return vals
 
 
 @triton.jit
@@ -100,6 +111,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # a single split: write the normalised output, no partials
     SOFT_CAP: tl.constexpr,
     SLIDING: tl.constexpr,  # only the last ``window`` positions are visible
+    QUANT: tl.constexpr,  # an int8 cache
 ):
     """One (sequence, KV head, split): all GROUP query heads share each K/V tile that is loaded."""
     b = tl.program_id(0).to(tl.int64)
@@ -135,12 +147,12 @@ def _decode_split_kernel(
         pos_ok = pos < end
         k = _load_kv_tile(
             k_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
-            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE, HEAD_DIM, QUANT,
+        ).to(q.dtype)  # fmt: skip
         v = _load_kv_tile(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
-            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE, HEAD_DIM, QUANT,
+        ).to(q.dtype)  # fmt: skip
         s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
@@ -240,6 +252,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     SLIDING: tl.constexpr,  # a query at position p sees keys at positions > p - window
+    QUANT: tl.constexpr,  # an int8 cache
 ):
     """One (query tile of some sequence, KV head).
 
@@ -294,12 +307,12 @@ def _prefill_kernel(
         pos_ok = pos < kv_end
         k = _load_kv_tile(
             k_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
-            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_kb, stride_ks, stride_kh, stride_kd, BLOCK_SIZE, HEAD_DIM, QUANT,
+        ).to(q.dtype)  # fmt: skip
         v = _load_kv_tile(
             v_cache_ptr, bt_row, pos, pos_ok, kv_head, dims, dim_ok,
-            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE, HEAD_DIM, QUANT,
+        ).to(q.dtype)  # fmt: skip
         s = _scores(q, k, scale_log2, cap_log2, SOFT_CAP)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -344,9 +357,10 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     num_q_heads, head_dim = q.shape[1:]
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4, (k_cache.shape, v_cache.shape)
     num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
+    quant = k_cache.dtype == torch.int8  # rows of head_dim values and a 4-byte scale (engine/kv_quant.py)
+    assert k_cache.shape[3] == head_dim + (4 if quant else 0), (k_cache.shape, q.shape)
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert v_cache.dtype == k_cache.dtype and (quant or q.dtype == k_cache.dtype), (q.dtype, k_cache.dtype, v_cache.dtype)
     return num_q_heads // num_kv_heads, k_cache.shape[1]
 
 
@@ -419,6 +433,7 @@ def paged_decode_attention(
         DIRECT=num_splits == 1,
         SOFT_CAP=logits_soft_cap is not None,
         SLIDING=sliding_window is not None,
+        QUANT=k_cache.dtype == torch.int8,
         num_warps=4,
     )
     if num_splits > 1:
@@ -497,6 +512,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         SOFT_CAP=logits_soft_cap is not None,
         SLIDING=sliding_window is not None,
+        QUANT=k_cache.dtype == torch.int8,
         num_warps=num_warps,
     )
     return out

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from sluice.engine.config import KV_CACHE_DTYPES
 from sluice.engine.lora.adapters import LoraError
 from sluice.engine.models.base import UnsupportedModelError
 from sluice.jobs.keys import parse_lora_module
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="auto (the model's dtype) or int8")
     p.add_argument("--lora", action="append", type=_lora, default=None, metavar="NAME=PATH",
                    help="a LoRA adapter lines may ask for as model BASE:NAME or NAME (repeatable)")
     p.add_argument("--max-loras", type=int)

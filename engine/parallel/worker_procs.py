@@ -263,6 +263,7 @@ def rank_threads(device: torch.device, world: int) -> int:
 
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------------
 def rank_main(rank: int, spec: RankSpec) -> None:
+    from sluice.engine.kv_quant import cache_dtype
     from sluice.engine.loader import ModelSource
     from sluice.engine.model_runner import allocate_kv_caches, elementwise_kernels, make_backend
     from sluice.engine.parallel.build import build_shard
@@ -305,7 +306,8 @@ def rank_main(rank: int, spec: RankSpec) -> None:
                 kv_caches = []
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                kv_caches = allocate_kv_caches(net.kv_spec(), msg[1], config.block_size, dtype, device)
+                kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)  # as rank 0's: int8 where asked
+                kv_caches = allocate_kv_caches(net.kv_spec(), msg[1], config.block_size, kv_dtype, device)
                 if device.type == "cuda" and backend.caps.reads_unwritten_slots:
                     for k, v in kv_caches:  # rank 0 zeroes blocks as they are first used; here all at once
                         k.zero_()

@@ -18,6 +18,17 @@ namespace sluice_cpu {
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// An int8 KV cache row (engine/kv_quant.py): head_dim values, then their float32 scale in these bytes.
+constexpr int64_t kScaleBytes = 4;
+
+// The scale of the int8 cache row starting at p (unaligned in general: read by memcpy).
+inline float row_scale(const int8_t* p, int64_t dim) {
+  float s;
+  std::memcpy(&s, p + dim, sizeof(s));
+  return s;
+}
 
 // exp(x) = 2^n * e^r with |r| <= ln2/2, e^r by a degree-6 polynomial: within 2 ulp of expf, in a form the
 // compiler vectorises (libm's expf is a scalar call). 0 below -87, finite up to 88 (2^n in two halves:

@@ -12,6 +12,11 @@
 //
 // Decodes (one query row per sequence) and prompt chunks (many) are the same loop: prefill and decode
 // are not separate worlds here either.
+//
+// An int8 cache (--kv-cache-dtype int8; engine/kv_quant.py) is read as it lies: a key row's int8 values are
+// widened to float for the dot product and its scale multiplies the score; a value row's scale multiplies
+// its softmax weight before the weighted sum (after the weight entered the softmax's sum). No row is
+// dequantized into memory, so a step reads about half the bytes of a 16-bit cache.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -40,7 +45,11 @@ using sluice_cpu::exp16;
 #endif
 using sluice_cpu::Item;
 using sluice_cpu::Unit;
+using sluice_cpu::row_scale;
 using sluice_cpu::to_float;
+
+template <typename C>
+constexpr bool kQuant = std::is_same_v<C, int8_t>;
 
 // The online softmax for one head over one piece of n <= 16 scores: s[j] becomes exp(s[j] - m) with m the
 // running max, raised first if the piece holds a larger score (then the sum and the head's accumulated
@@ -78,6 +87,9 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Sixteen horizontal sums at once: r[j] = sum of the lanes of a[j]. A reduce per key (a shuffle tree
@@ -225,6 +237,12 @@ inline void weigh_values(float* w, const V* v, int64_t v_tok, int64_t n, int64_t
       for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
     online_softmax(s, n, m[g], sum[g], acc + g * dim, dim);
   }
+  if constexpr (kQuant<V>) {  // each value row's scale, folded into its weight once the sum has it
+    float vs[kPiece];
+    for (int64_t j = 0; j < n; ++j) vs[j] = row_scale(v + j * v_tok, dim);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < n; ++j) w[g * kPiece + j] *= vs[j];
+  }
 #if defined(__AVX512F__)
   if constexpr (NC > 0) block_values<NC>(w, kPiece, v, v_tok, n, group, acc);
   else
@@ -242,6 +260,12 @@ inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const V* v,
   else
 #endif
     block_scores_generic<NC>(qf, k, k_tok, n, group, dim, w, kPiece);
+  if constexpr (kQuant<K>) {  // each key row's scale times its scores
+    float ks[kPiece];
+    for (int64_t j = 0; j < n; ++j) ks[j] = row_scale(k + j * k_tok, dim);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < n; ++j) w[g * kPiece + j] *= ks[j];
+  }
   weigh_values<NC>(w, v, v_tok, n, group, dim, cap, m, sum, acc);
 }
 
@@ -251,7 +275,8 @@ inline void attend_piece(const float* qf, const K* k, int64_t k_tok, const V* v,
 // and a sliding window cut a piece short per row). A row's pieces and arithmetic are the same in any
 // tile, so its result is the same to the bit as a tile of one (a decode): a prompt's output does not
 // depend on how the scheduler chunked it or what shared its step.
-template <int NC, typename T>
+// T: the queries' and output's dtype; C: the cache's, T or int8_t.
+template <int NC, typename T, typename C>
 void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_tables, const std::vector<Item>& items, const std::vector<Unit>& units,
             int64_t max_rows, double scale, int64_t window, double soft_cap) {
@@ -259,8 +284,8 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
@@ -296,8 +321,8 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       const int64_t last = rows[count - 1].pos;
       auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
       const int32_t* table = tables + rows[0].seq * table_row;
-      const T* k_base = kp + h * k_head;
-      const T* v_base = vp + h * v_head;
+      const C* k_base = kp + h * k_head;
+      const C* v_base = vp + h * v_head;
       for (int64_t t = first_key(rows[0].pos); t <= last;) {
         // Pieces end at multiples of 16 keys and at block ends, whichever row walks them: a row's pieces,
         // and so its softmax's rounding, do not depend on the tile it is in.
@@ -309,8 +334,8 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
           start_fetch(k_base + b * k_block + o * k_tok);
           start_fetch(v_base + b * v_block + o * v_tok);
         }
-        const T* k = k_base + block * k_block + off * k_tok;
-        const T* v = v_base + block * v_block + off * v_tok;
+        const C* k = k_base + block * k_block + off * k_tok;
+        const C* v = v_base + block * v_block + off * v_tok;
         for (int64_t r = 0; r < count; ++r) {
           const int64_t lo = std::max(t, first_key(rows[r].pos)), hi = std::min(t + n, rows[r].pos + 1);
           if (lo >= hi) continue;  // past this row's causal edge, or before its window
@@ -342,16 +367,23 @@ void attend_vector(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
                    const torch::Tensor& v_cache, const torch::Tensor& tables, const Plan& plan, double scale,
                    int64_t window, double soft_cap) {
   const int64_t dim = q.size(2);
-  auto run = [&](auto tag) {
+  auto with_cache = [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
+    using C = decltype(cache_tag);
     if (dim == 64)
-      attend<4, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+      attend<4, T, C>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
     else if (dim == 128)
-      attend<8, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+      attend<8, T, C>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
     else
-      attend<0, T>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
+      attend<0, T, C>(out, q, k_cache, v_cache, tables, plan.items, plan.units, plan.max_rows, scale, window, soft_cap);
   };
-  dispatch_dtype(q.scalar_type(), run);
+  const bool quant = k_cache.scalar_type() == torch::kChar;
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    if (quant)
+      with_cache(tag, int8_t{});
+    else
+      with_cache(tag, tag);
+  });
 }
 
 }  // namespace sluice_cpu

@@ -13,6 +13,9 @@
 // take oneDNN's VNNI layout (pairs along the summed dimension interleaved): for K^T that is the transpose
 // of K's rows read as 32-bit words, the same transpose float32 needs.
 //
+// An int8 cache (engine/kv_quant.py) is dequantized a block at a time into a small scratch in T, then the same
+// GEMMs run on it: the block's bytes still come from memory once per tile, at half the 16-bit size.
+//
 // A row's softmax sums the keys block by block here, in another order than the vector kernel's pieces of
 // 16, so the two kernels agree within rounding, not to the bit.
 
@@ -73,11 +76,12 @@ bool supported(at::ScalarType dtype) {
 // Per thread: the tile's packed Q, K^T and V, scores, probabilities, output accumulator, softmax state.
 template <typename T>
 struct Scratch {
-  std::vector<T> qa, kt, p, vp;
+  std::vector<T> qa, kt, p, vp, kdq, vdq;  // kdq, vdq: an int8 block's keys and values, dequantized
   std::vector<float> s, acc, m, sum;
   std::vector<int64_t> lo, hi;  // each GEMM row's keys: [lo, hi)
   Scratch(int64_t rows, int64_t group, int64_t dim, int64_t block)
       : qa(rows * group * dim), kt((block + 1) * dim), p(rows * group * (block + 1)), vp((block + 1) * dim),
+        kdq(block * dim), vdq(block * dim),
         s(rows * group * block), acc(rows * group * dim), m(rows * group), sum(rows * group), lo(rows * group),
         hi(rows * group) {}
 };
@@ -126,6 +130,17 @@ inline void pack_v(at::BFloat16* vp, const at::BFloat16* v, int64_t v_tok, int64
         out[2 * d + 1] = 0;
       }
     }
+  }
+}
+
+// n int8 cache rows (stride tok: dim values, then the row's scale) as n x dim values of T.
+template <typename T>
+void dequantize_block(T* dst, const int8_t* src, int64_t tok, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* row = src + j * tok;
+    const float scale = sluice_cpu::row_scale(row, dim);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = static_cast<T>(static_cast<float>(row[d]) * scale);
   }
 }
 
@@ -222,21 +237,25 @@ void softmax_block(Scratch<T>& sc, int64_t M, int64_t t, int64_t n, int64_t n2, 
   }
 }
 
-template <typename T>
+// T: the queries' and output's dtype; C: the cache's, T or int8_t.
+template <typename T, typename C>
 void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_tables, const sluice_cpu::Plan& plan, double scale, int64_t window,
             double soft_cap) {
+  constexpr bool quant = std::is_same_v<C, int8_t>;
   const int64_t num_q_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t k_head = k_cache.stride(0), k_block = k_cache.stride(1), k_tok = k_cache.stride(2);
-  const int64_t v_head = v_cache.stride(0), v_block = v_cache.stride(1), v_tok = v_cache.stride(2);
+  const int64_t k_head = k_cache.stride(0), k_block = k_cache.stride(1);
+  const int64_t v_head = v_cache.stride(0), v_block = v_cache.stride(1);
+  // The rows the GEMMs read: the cache's, or (int8) the scratch's, dim apart.
+  const int64_t k_tok = quant ? dim : k_cache.stride(2), v_tok = quant ? dim : v_cache.stride(2);
   const int64_t table_row = block_tables.stride(0);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const auto& units = plan.units;
@@ -263,14 +282,23 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
         }
       const int64_t first = sc.lo[0], last = rows[count - 1].pos;  // the tile's earliest and latest key
       const int32_t* table = tables + rows[0].seq * table_row;
-      const T* k_base = kp + h * k_head;
-      const T* v_base = vp + h * v_head;
+      const C* k_base = kp + h * k_head;
+      const C* v_base = vp + h * v_head;
       for (int64_t t = first - first % block_size; t <= last; t += block_size) {
         const int64_t block = table[t / block_size];
         const int64_t n = std::min(block_size, last + 1 - t);
         const int64_t n2 = kVnni<T> ? n + (n & 1) : n;  // VNNI pairs keys: an even depth for P x V
-        const T* k = k_base + block * k_block;
-        const T* v = v_base + block * v_block;
+        const T* k;
+        const T* v;
+        if constexpr (quant) {
+          dequantize_block(sc.kdq.data(), k_base + block * k_block, k_cache.stride(2), n, dim);
+          dequantize_block(sc.vdq.data(), v_base + block * v_block, v_cache.stride(2), n, dim);
+          k = sc.kdq.data();
+          v = sc.vdq.data();
+        } else {
+          k = k_base + block * k_block;
+          v = v_base + block * v_block;
+        }
         pack_kt(sc.kt.data(), k, k_tok, n, dim);
         cpublas::brgemm(M, n, dim, dim, n, n, false, sc.qa.data(), sc.kt.data(), sc.s.data(), kVnni<T>);
         softmax_block(sc, M, t, n, n2, dim, fscale, cap);
@@ -315,11 +343,14 @@ void paged_attention_gemm(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
     to.units.push_back(u);
     to.max_rows = std::max(to.max_rows, u.count);
   }
+  const bool quant = k_cache.scalar_type() == torch::kChar;
   if (!gemm.units.empty()) {
     if (q.scalar_type() == torch::kFloat)
-      attend<float>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap);
+      quant ? attend<float, int8_t>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap)
+            : attend<float, float>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap);
     else
-      attend<at::BFloat16>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap);
+      quant ? attend<at::BFloat16, int8_t>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap)
+            : attend<at::BFloat16, at::BFloat16>(out, q, k_cache, v_cache, tables, gemm, scale, window, soft_cap);
   }
   if (!vector.units.empty()) sluice_cpu::attend_vector(out, q, k_cache, v_cache, tables, vector, scale, window, soft_cap);
 }

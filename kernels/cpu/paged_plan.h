@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common.h"
+
 namespace sluice_cpu {
 
 struct Item {
@@ -65,9 +67,14 @@ inline void check_paged_args(const torch::Tensor& out, const torch::Tensor& q, c
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [Hkv, blocks, block, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head_dim must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 512, "head_dim mismatch or above 512");
+  // An int8 cache's rows carry their scale after the head_dim values (engine/kv_quant.py).
+  const bool quant = k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(q.size(2) + (quant ? kScaleBytes : 0) == k_cache.size(3) && q.size(2) <= 512,
+              "head_dim mismatch or above 512");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
+  TORCH_CHECK((quant || (q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type())) &&
+                  q.scalar_type() == out.scalar_type(),
+              "dtype mismatch");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start_loc.scalar_type() == torch::kInt32 &&
                   seq_lens.scalar_type() == torch::kInt32,
               "block_tables, query_start_loc and seq_lens must be int32");

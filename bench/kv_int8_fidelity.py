@@ -1,0 +1,144 @@
+"""What the int8 KV cache (``--kv-cache-dtype int8``) does to outputs: greedy tokens and GSM8K accuracy, 16-bit
+cache against int8, the same model and dtype. Accuracy, not speed: a busy machine is fine.
+
+    python bench/kv_int8_fidelity.py                          # the default model (SmolLM2-135M-Instruct)
+    python bench/kv_int8_fidelity.py --num-chat 8 --num-gsm8k 8 --tag kv8-fidelity-smoke   # a quick check
+
+1. Chat: the first turn of each prompt of the shared prompt sets (bench/workloads.py's chat workload),
+   ``--max-tokens`` greedy tokens with each cache. Reported: prompts whose tokens are identical, and
+   tokens that agree (each prompt's common prefix: after the first difference the texts diverge, and
+   later tokens compare nothing).
+2. GSM8K: the first ``--num-gsm8k`` test questions after a few-shot prompt of the first 8 training
+   examples ("Question: ...\\nAnswer: <its worked answer ending in #### N>"), greedy; a reply is right when
+   the number after its first ``####`` (else its last number) equals the reference's.
+
+Writes bench/out/TAG.json and TAG.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import workloads  # noqa: E402  (bench/workloads.py, beside this file)
+
+OUT = HERE / "out"
+CACHES = ("auto", "int8")
+SHOTS = 8
+GSM8K_STOP = "\n\nQuestion:"
+
+
+def few_shot_prompt(train: list[dict[str, str]], question: str) -> str:
+    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in train[:SHOTS])
+    return f"{shots}Question: {question}\nAnswer:"
+
+
+def number_of(text: str) -> str | None:
+    """The answer a GSM8K reply gives: the number after ``####``, else the last number in it."""
+    marked = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
+    found = [marked.group(1)] if marked else re.findall(r"-?[\d,]*\.?\d+", text)
+    if not found:
+        return None
+    value = found[-1].replace(",", "").rstrip(".")
+    return value[:-2] if value.endswith(".0") else value
+
+
+def read_jsonl(path: Path, n: int | None = None) -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return rows[:n] if n is not None else rows
+
+
+def run_cache(kv_cache_dtype: str, args: argparse.Namespace, chat: list[list[int]],
+              gsm: list[str]) -> dict[str, Any]:
+    from sluice.engine.llm import LLM
+    from sluice.engine.outputs import Request
+    from sluice.engine.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv_cache_dtype)
+    t0 = time.perf_counter()
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    chat_out = llm.generate([Request(f"c{i}", prompt_token_ids=p, params=greedy) for i, p in enumerate(chat)])
+    gsm_params = SamplingParams(max_tokens=args.gsm8k_max_tokens, temperature=0.0, stop=[GSM8K_STOP])
+    gsm_out = llm.generate([Request(f"g{i}", prompt=p, params=gsm_params) for i, p in enumerate(gsm)])
+    return {"kv_cache_dtype": kv_cache_dtype, "dtype": str(llm.runner.dtype).removeprefix("torch."),
+            "kv_blocks": llm.num_total_blocks, "seconds": time.perf_counter() - t0,
+            "chat_tokens": [c.outputs[0].token_ids for c in chat_out], "gsm8k_texts": [c.text for c in gsm_out]}
+
+
+def compare(ref: list[list[int]], other: list[list[int]]) -> dict[str, int]:
+    identical = sum(a == b for a, b in zip(ref, other, strict=True))
+    agree = 0
+    for a, b in zip(ref, other, strict=True):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        agree += n
+    return {"prompts": len(ref), "identical_prompts": identical, "tokens": sum(map(len, ref)),
+            "agreeing_prefix_tokens": agree}
+
+
+def accuracy(texts: list[str], answers: list[str]) -> int:
+    return sum(number_of(t) == number_of(a) for t, a in zip(texts, answers, strict=True))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    c, runs = report["chat"], report["runs"]
+    lines = [f"# int8 KV cache fidelity ({report['model'] or 'SmolLM2-135M-Instruct'}, {runs[0]['dtype']})", "",
+             f"Command: `{report['command']}`", "",
+             f"Chat (greedy, {report['max_tokens']} tokens, {c['prompts']} prompts): {c['identical_prompts']} "
+             f"identical; {c['agreeing_prefix_tokens']} of {c['tokens']} tokens agree before the first difference.", "",
+             "| KV cache | KV blocks | GSM8K correct |", "| --- | --- | --- |"]
+    for r in runs:
+        lines.append(f"| {r['kv_cache_dtype']} | {r['kv_blocks']} | {r['gsm8k_correct']}/{report['gsm8k_questions']} |")
+    lines += ["", f"GSM8K answers identical between the caches: {report['gsm8k_identical']}/{report['gsm8k_questions']}"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-chat", type=int, default=80, help="chat prompts (the prompt sets cycled)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-gsm8k", type=int, default=200)
+    p.add_argument("--gsm8k-max-tokens", type=int, default=256)
+    p.add_argument("--gsm8k-dir", type=Path, default=Path("/tmp/gsm8k"), help="test.jsonl and train.jsonl")
+    p.add_argument("--tag", default="kv8-fidelity")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from sluice.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    chat = workloads.chat_ids(tok, workloads.read_rows(), args.num_chat)
+    train = read_jsonl(args.gsm8k_dir / "train.jsonl", SHOTS)
+    test = read_jsonl(args.gsm8k_dir / "test.jsonl", args.num_gsm8k)
+    prompts = [few_shot_prompt(train, r["question"]) for r in test]
+    runs = [run_cache(c, args, chat, prompts) for c in CACHES]
+    answers = [r["answer"] for r in test]
+    for r in runs:
+        r["gsm8k_correct"] = accuracy(r["gsm8k_texts"], answers)
+        print(f"{r['kv_cache_dtype']}: {r['kv_blocks']} KV blocks, GSM8K {r['gsm8k_correct']}/{len(test)}, "
+              f"{r['seconds']:.0f}s", flush=True)
+    report = {"model": args.model, "command": " ".join(["python", *sys.argv]), "max_tokens": args.max_tokens,
+              "chat": compare(runs[0]["chat_tokens"], runs[1]["chat_tokens"]), "gsm8k_questions": len(test),
+              "gsm8k_identical": sum(number_of(a) == number_of(b)
+                                     for a, b in zip(runs[0]["gsm8k_texts"], runs[1]["gsm8k_texts"], strict=True)),
+              "runs": runs}
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{args.tag}.json").write_text(json.dumps(report))
+    (OUT / f"{args.tag}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
