@@ -92,7 +92,7 @@ def lora_kwargs(lora_modules: dict[str, str], max_loras: int, max_lora_rank: int
 
 # Adapters loaded when a line names them (engine/lora/sources.py): the worker's only.
 lora_root_options = [
-    click.option("--lora-root", "lora_roots", multiple=True, metavar="DIR_OR_URL",
+    click.option("--lora-root", "lora_roots", multiple=True, default=None, metavar="DIR_OR_URL",
                  help="Where adapters not loaded are loaded from when a line names BASE:NAME (ROOT/NAME, a peft "
                       "folder): a folder or an fsspec prefix such as s3://bucket/adapters/; repeatable."),
     click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,

@@ -136,7 +136,7 @@ def test_forced_tool_call_round_trip(llm: LLM, choice: object) -> None:
     job = parse_line(_tool_line(choice, history), 1)
     job.id = "t"
     req = job_to_request(job)
-    prompt = llm.tokenizer.decode(llm._prompt_ids(req))
+    prompt = llm.tokenizer.decode(llm._prompt_ids(req)[0])
     # The tools, the earlier call and the tool's answer all reach the template.
     assert '"name": "get_weather"' in prompt and "<tool_response>\n12:00" in prompt and '"zone": "UTC"' in prompt
 

@@ -31,6 +31,7 @@ THIRD_PARTY_ENV = {
     "OTEL_TRACES_EXPORTER": "OpenTelemetry (jobs/tracing.py reads it too: set, tracing is on)",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry's OTLP exporter",
     "OTEL_SERVICE_NAME": "OpenTelemetry's SDK (the trace's service name)",
+    "FSSPEC_S3_ENDPOINT_URL": "fsspec's configuration from the environment (s3fs's endpoint_url)",
     "OTEL_TRACES_SAMPLER": "OpenTelemetry's SDK",
 }
 
