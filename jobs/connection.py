@@ -128,9 +128,10 @@ def recorded_url(home: Path | None = None) -> str | None:
 
 
 def find_server(home: Path | None = None) -> EmbeddedServer | None:
-    """The running embedded server of ``home``, or None."""
+    """The running embedded server of ``home``, or None. Its recorded process must live: what answers on a
+    dead server's port is a new one whose starter has not recorded it yet (or another program)."""
     info = _read_info(home)
-    return info if info is not None and _alive(info) else None
+    return info if info is not None and pid_alive(info.pid) and _alive(info) else None
 
 
 def ensure_server(home: Path | None = None, timeout: float = START_TIMEOUT,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -110,13 +111,7 @@ def test_the_api_follows_a_server_restarted_on_another_port(home: Path, tmp_path
         url = wait_for_url(api, log, timeout=60)
         with httpx.Client(base_url=url, timeout=60) as http:
             assert http.get("/v1/batches").status_code == 200, log.read_text()[-3000:]
-            os.kill(first.pid, signal.SIGKILL)
-            while first.pid in servers_of(home):
-                time.sleep(0.05)
-            with socket.socket() as squatter:  # the old port is someone else's now
-                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                squatter.bind(("127.0.0.1", first.port))
-                squatter.listen()
+            with _squat(home, first.pid, first.port):  # the old port is someone else's now
                 second = ensure_server(home)
                 assert second.port != first.port
                 job = http.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2})
@@ -128,3 +123,29 @@ def test_the_api_follows_a_server_restarted_on_another_port(home: Path, tmp_path
                 r.close()
     finally:
         assert stop(api) == 0, log.read_text()[-3000:]
+
+
+@contextmanager
+def _squat(home: Path, pid: int, port: int) -> Iterator[socket.socket]:
+    """Kill the server and take its port. Until the port is ours: a server the API restarted on it is killed
+    too, and a killed server's forked child (an AOF rewrite) that still holds the socket is waited out."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for other in servers_of(home):
+            os.kill(other, signal.SIGKILL)
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", port))
+        except OSError:
+            squatter.close()
+            time.sleep(0.05)
+            continue
+        while servers_of(home):  # the killed ones gone before the test restarts the server
+            time.sleep(0.05)
+        with squatter:
+            squatter.listen()
+            yield squatter
+        return
+    raise AssertionError(f"port {port} stayed taken for 60 s")
