@@ -198,6 +198,8 @@ def expire_due(s: Scripts, batch_id: str, now: float, limit: int) -> tuple[int, 
 # most handed per call -> {0} if paused, else {1, entries (XREADGROUP's), jobs still waiting in handoff}
 PULL = """
 if redis.call('HEXISTS', KEYS[1], 'paused_at') == 1 then return {0} end
+-- The batch was deleted since the list was read: write nothing (a readers hash would outlive it).
+if redis.call('EXISTS', KEYS[2]) == 0 then return {1, {}, 0} end
 local me, n, now, quiet = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 pcall(redis.call, 'HSET', KEYS[4], me, ARGV[4])  -- a full server refuses it: the read goes on
 local function live(c)

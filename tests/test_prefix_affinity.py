@@ -199,3 +199,14 @@ def test_an_idle_worker_waits_for_jobs_handed_to_a_quiet_owner(r: redis.Redis, t
         w.kill()
         w.wait()
     assert_exactly_once(r, b.id, len(lines))
+
+
+def test_a_read_of_a_deleted_batch_leaves_no_key_behind(r: redis.Redis) -> None:
+    """A reader holding a stale list of streams reads a batch deleted meanwhile (an online request's, gone
+    once answered): the affinity bookkeeping writes nothing, so no key of the batch outlives it."""
+    lines, _ = few_shot_lines(random.Random(0), 2, 3, 3)
+    b = submit(lines, r=r, model="q")
+    stale = commands.ready(r, _queue("q"))
+    r.delete(*keys.batch_keys(b.id, [0]))
+    assert commands.read(r, _queue("q"), "a", 4, stale).deliveries == []
+    assert r.keys(f"*{b.id}*") == []
