@@ -24,10 +24,10 @@ from sluice.api.routes_openai import (
     _end_stream,
     _EventStream,
     _failure,
-    _parse,
-    _queue,
     _sse,
     _Stream,
+    pop_stream,
+    queue_chat,
 )
 from sluice.api.state import Redis, State, get_state
 from sluice.api.validation import FileScan
@@ -44,10 +44,9 @@ from sluice.jobs.anthropic import (
     refused_line,
     result_line,
 )
-from sluice.jobs.schemas import CHAT_URL, Batch, Result
+from sluice.jobs.schemas import Batch, Result
 from sluice.jobs.store import cancel_batch, delete_batch, get_batch, get_line_errors, iter_results
 from sluice.jobs.submit import UnknownModel, resolve_model, submit
-from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(tags=["anthropic"])
 
@@ -55,18 +54,13 @@ router = APIRouter(tags=["anthropic"])
 # ---- POST /v1/messages --------------------------------------------------------------------------------
 @router.post("/v1/messages", summary="A message, run on the queue (Anthropic's Messages API)")
 async def create_message(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-    stream = body.pop("stream", False)
-    if stream not in (True, False, None):
-        raise ApiError(400, "stream must be a boolean")
+    stream = pop_stream(body)
     state = get_state(request)
     try:
         chat = chat_body(body)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    job = _parse(chat, CHAT_URL, state.settings.max_prompt_chars)
-    if stream:
-        job = job.model_copy(update={"stream": True})
-    call = await run_in_threadpool(_queue, state, job, MESSAGES_URL)
+    call = await queue_chat(state, chat, MESSAGES_URL, stream)
     if stream:
         s = _MessageStream(call, include_usage=False)
         return _EventStream(_sse(request, s), lambda: _end_stream(request, s))

@@ -117,12 +117,26 @@ async def _serve(request: Request, body: dict[str, Any], url: str) -> Any:
         await call.close()
 
 
+def pop_stream(body: dict[str, Any], **error: Any) -> bool:
+    """``stream``, taken out of the body (a batch line has none); ``error``: the refusal's code and param."""
+    stream = body.pop("stream", False)
+    if stream not in (True, False, None):
+        raise ApiError(400, "stream must be a boolean", **error)
+    return bool(stream)
+
+
+async def queue_chat(state: AppState, chat: dict[str, Any], url: str, stream: bool, **update: Any) -> _Call:
+    """A request of another API (Anthropic's Messages, OpenAI's Responses) mapped to a chat body, queued as
+    one chat job whose answer takes ``url``'s shape; ``update``: fields set on the job."""
+    job = _parse(chat, CHAT_URL, state.settings.max_prompt_chars)
+    job = job.model_copy(update={**update, "stream": True} if stream else update)
+    return await run_in_threadpool(_queue, state, job, url)
+
+
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     """``stream`` and ``stream_options``, taken out of the body (a batch line has neither)."""
-    stream = body.pop("stream", False)
     opts = body.pop("stream_options", None)
-    if stream not in (True, False, None):
-        raise ApiError(400, "stream must be a boolean", code="invalid_request", param="stream")
+    stream = pop_stream(body, code="invalid_request", param="stream")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", code="invalid_request", param="stream_options")
     return bool(stream), bool((opts or {}).get("include_usage"))

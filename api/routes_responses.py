@@ -23,10 +23,10 @@ from sluice.api.routes_openai import (
     _end_stream,
     _EventStream,
     _failure,
-    _parse,
-    _queue,
     _sse,
     _Stream,
+    pop_stream,
+    queue_chat,
 )
 from sluice.api.state import get_state
 from sluice.jobs.responses import (
@@ -38,26 +38,20 @@ from sluice.jobs.responses import (
     response_id,
     skeleton,
 )
-from sluice.jobs.schemas import CHAT_URL, Result
-from starlette.concurrency import run_in_threadpool
+from sluice.jobs.schemas import Result
 
 router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/responses", summary="A response, run on the queue (OpenAI's Responses API)")
 async def create_response(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-    stream = body.pop("stream", False)
-    if stream not in (True, False, None):
-        raise ApiError(400, "stream must be a boolean", code="invalid_request", param="stream")
+    stream = pop_stream(body, code="invalid_request", param="stream")
     state = get_state(request)
     try:
         chat = chat_body(body)
     except ValueError as e:
         raise ApiError(400, str(e), code="invalid_request") from None
-    job = _parse(chat, CHAT_URL, state.settings.max_prompt_chars).model_copy(update={"api": "responses"})
-    if stream:
-        job = job.model_copy(update={"stream": True})
-    call = await run_in_threadpool(_queue, state, job, RESPONSES_URL)
+    call = await queue_chat(state, chat, RESPONSES_URL, stream, api="responses")
     echo = request_echo(body)
     if stream:
         s = _ResponseStream(call, include_usage=False, echo=echo)
