@@ -37,6 +37,7 @@ ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 START_TIMEOUT = 30.0  # seconds; replaying a large AOF takes a while
+OLD_PORT_WAIT = 3.0  # seconds a restart waits for the old port before it takes another
 
 
 @dataclass
@@ -212,10 +213,21 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def _port_freed(port: int, wait: float = OLD_PORT_WAIT) -> bool:
+    """Whether ``port`` is free, or frees within ``wait`` seconds: a killed server's forked child (an AOF
+    rewrite) holds its listening socket for a moment after the server died."""
+    deadline = time.monotonic() + wait
+    while not _port_free(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _start(home: Path | None, timeout: float) -> EmbeddedServer:
     old = _read_info(home)
     # The old port first, so clients that kept the URL find the server again after a restart.
-    ports = [old.port] if old is not None and _port_free(old.port) else []
+    ports = [old.port] if old is not None and _port_freed(old.port) else []
     last: Exception | None = None
     for port in [*ports, *(_free_port() for _ in range(3))]:
         try:

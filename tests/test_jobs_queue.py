@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +79,34 @@ def test_killed_server_restarts_with_its_data(sluice_home: Path) -> None:
     again = ensure_server(sluice_home)
     assert again.port == first.port  # clients holding the URL reconnect by themselves
     assert c.get("kept") == "1"
+
+
+def test_a_restart_waits_for_a_dying_servers_port(sluice_home: Path) -> None:
+    """A killed server's forked child (an AOF rewrite) holds the listening socket a moment longer: the
+    restart waits for the port rather than taking another (CI saw the port change)."""
+    first = ensure_server(sluice_home)
+    assert stop_server(sluice_home, kill=True)
+    holder = _take_port(first.port)  # stands in for the child: the port stays taken for a while
+    threading.Timer(0.5, holder.close).start()
+    again = ensure_server(sluice_home)
+    assert again.port == first.port
+
+
+def _take_port(port: int) -> socket.socket:
+    """A socket listening on ``port``, once the killed server (SIGKILL is asynchronous) has let it go."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def test_redis_url_from_environment(sluice_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
