@@ -122,6 +122,18 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
     return proc.returncode
 
 
+@contextmanager
+def serving(log: Path, key: str | None = None, **env: str) -> Iterator[str]:
+    """A real ``sluice serve`` on a free port (on the current SLUICE_HOME's job server), with ``key`` as its
+    SLUICE_API_KEY: its URL; stopped with Ctrl-C after, which must exit cleanly."""
+    proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
+                        env={**os.environ, **({"SLUICE_API_KEY": key} if key else {}), **env})
+    try:
+        yield wait_for_url(proc, log, timeout=60)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+
+
 def wait_final(get: Any, timeout: float = 120) -> Any:
     """Poll ``get()`` (a batch in OpenAI's shape, as a dict or an SDK object) until it is final."""
     final = {"completed", "failed", "cancelled", "expired"}

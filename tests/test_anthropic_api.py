@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, wait_for_url
+from cli_api_helpers import WORDS, serving, sluice_home
 from held_engine import HeldLLM
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, wait_for
@@ -58,12 +58,10 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     llm = HeldLLM(str(tiny_model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory=8 << 20)
     with sluice_home(home):
         worker = ThreadWorker(llm, queue="tiny")
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
         try:
-            yield Live(wait_for_url(proc, log, timeout=60), llm)
+            with serving(log, KEY) as url:
+                yield Live(url, llm)
         finally:
-            assert stop(proc) == 0, log.read_text()
             worker.join()
 
 

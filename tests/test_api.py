@@ -5,7 +5,6 @@ results download; auth, bad input, unknown ids; limits and a down job server in-
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,13 +16,11 @@ import openai
 import pytest
 from cli_api_helpers import (
     chat_lines,
+    serving,
     simple_lines,
     sluice_home,
-    start_sluice,
-    stop,
     tiny_worker,
     wait_final,
-    wait_for_url,
 )
 from fastapi.testclient import TestClient
 from helpers import fresh_seed
@@ -52,13 +49,8 @@ class Live:
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     home = tmp_path_factory.mktemp("api") / "home"
     with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
-        log = home.parent / "serve.log"
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
-        try:
-            yield Live(wait_for_url(proc, log, timeout=60), home)
-        finally:
-            assert stop(proc) == 0, log.read_text()
+        with serving(home.parent / "serve.log", KEY) as url:
+            yield Live(url, home)
 
 
 def _upload(client: openai.OpenAI, lines: list[str], name: str = "input.jsonl") -> Any:

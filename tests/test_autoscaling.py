@@ -6,7 +6,6 @@ embedded server."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from cli_api_helpers import start_sluice, stop, wait_for_url
+from cli_api_helpers import serving
 from helpers import fresh_seed
 from jobs_helpers import assert_exactly_once, held_by, prompt_lines, result_entries, wait_for, worker_process
 from reliability_helpers import final
@@ -28,15 +27,9 @@ KEY = "sk-sluice-test"
 
 @pytest.fixture
 def api(r: redis.Redis, tmp_path: Path) -> Iterator[httpx.Client]:
-    log = tmp_path / "serve.log"
-    proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                        env={**os.environ, "SLUICE_API_KEY": KEY, "SLUICE_FILES_DIR": str(tmp_path / "files")})
-    try:
-        url = wait_for_url(proc, log, timeout=60)
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-            yield http
-    finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+    with serving(tmp_path / "serve.log", KEY, SLUICE_FILES_DIR=str(tmp_path / "files")) as url, \
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        yield http
 
 
 def backlog(api: httpx.Client, model: str = "tiny") -> dict[str, int]:

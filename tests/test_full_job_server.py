@@ -5,7 +5,6 @@ error shape (``job_server_full``), the online endpoints streamed or not included
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cli_api_helpers import WORDS, start_sluice, stop, wait_for_url
+from cli_api_helpers import WORDS, serving
 from helpers import fresh_seed
 from sluice.jobs import keys
 
@@ -27,15 +26,9 @@ KEY = "sk-sluice-test"
 @pytest.fixture
 def api(r: redis.Redis, tmp_path: Path) -> Iterator[httpx.Client]:
     """A real ``sluice serve`` on the test's embedded server (no worker: nothing here needs one)."""
-    log = tmp_path / "serve.log"
-    proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                        env={**os.environ, "SLUICE_API_KEY": KEY, "SLUICE_FILES_DIR": str(tmp_path / "files")})
-    try:
-        url = wait_for_url(proc, log, timeout=60)
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-            yield http
-    finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+    with serving(tmp_path / "serve.log", KEY, SLUICE_FILES_DIR=str(tmp_path / "files")) as url, \
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        yield http
 
 
 def _snapshot(r: redis.Redis) -> dict[str, bytes | None]:

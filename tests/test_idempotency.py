@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cli_api_helpers import chat_lines, sluice_home, start_sluice, stop, wait_for_url
+from cli_api_helpers import chat_lines, serving, sluice_home
 from helpers import fresh_seed
 from sluice.api.idempotency import IDEMPOTENCY_TTL
 from sluice.jobs import keys
@@ -37,15 +37,12 @@ class Live:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     home = tmp_path_factory.mktemp("idem") / "home"
     with sluice_home(home):
-        log = home.parent / "serve.log"
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
-        r = connect()
-        try:
-            yield Live(wait_for_url(proc, log, timeout=60), r)
-        finally:
-            r.close()
-            assert stop(proc) == 0, log.read_text()
+        with serving(home.parent / "serve.log", KEY) as url:
+            r = connect()
+            try:
+                yield Live(url, r)
+            finally:
+                r.close()
 
 
 def upload(http: httpx.Client, body: bytes, key: str | None = None, name: str = "in.jsonl") -> httpx.Response:

@@ -8,7 +8,6 @@ file, one result per custom_id holding every choice; a bad prompt fails its requ
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
+from cli_api_helpers import WORDS, serving, sluice_home, tiny_worker, wait_final
 from helpers import fresh_seed
 from jobs_helpers import wait_for
 from openai.types import Completion
@@ -42,13 +41,8 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
     home = tmp_path_factory.mktemp("lists") / "home"
     with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
-        log = home.parent / "serve.log"
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
-        try:
-            yield Live(wait_for_url(proc, log, timeout=60), AutoTokenizer.from_pretrained(str(tiny_model_dir)))
-        finally:
-            assert stop(proc) == 0, log.read_text()
+        with serving(home.parent / "serve.log", KEY) as url:
+            yield Live(url, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
 
 
 def _prompts(rng: random.Random, k: int) -> list[str]:

@@ -5,7 +5,6 @@ while its batch is paused leaves its jobs to be claimed after the resume, each j
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cli_api_helpers import run_sluice, sluice_home, start_sluice, stop, wait_for_url
+from cli_api_helpers import run_sluice, serving, sluice_home
 from helpers import fresh_seed
 from jobs_helpers import assert_exactly_once, held_by, prompt_lines, wait_for, worker_process
 from sluice.jobs import keys
@@ -43,15 +42,12 @@ class Live:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     home = tmp_path_factory.mktemp("pause") / "home"
     with sluice_home(home):
-        log = home.parent / "serve.log"
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
-        r = connect()
-        try:
-            yield Live(wait_for_url(proc, log, timeout=60), home, r)
-        finally:
-            r.close()
-            assert stop(proc) == 0, log.read_text()
+        with serving(home.parent / "serve.log", KEY) as url:
+            r = connect()
+            try:
+                yield Live(url, home, r)
+            finally:
+                r.close()
 
 
 def handed_out(r: redis.Redis, batch_id: str) -> int:

@@ -9,7 +9,6 @@ failed line alone in a batch. The mapping of the request and the reasoning item 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from cli_api_helpers import WORDS, sluice_home, start_sluice, stop, tiny_worker, wait_final, wait_for_url
+from cli_api_helpers import WORDS, serving, sluice_home, tiny_worker, wait_final
 from helpers import fresh_seed
 from jobs_helpers import wait_for
 from openai.types.responses import Response, ResponseStreamEvent
@@ -52,13 +51,8 @@ class Live:
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     home = tmp_path_factory.mktemp("responses") / "home"
     with sluice_home(home), tiny_worker(tiny_model_dir, queue="tiny"):
-        log = home.parent / "serve.log"
-        proc = start_sluice("serve", "--port", "0", "--log-level", "warning", log=log,
-                            env={**os.environ, "SLUICE_API_KEY": KEY})
-        try:
-            yield Live(wait_for_url(proc, log, timeout=60))
-        finally:
-            assert stop(proc) == 0, log.read_text()
+        with serving(home.parent / "serve.log", KEY) as url:
+            yield Live(url)
 
 
 def _words(rng: random.Random) -> str:
