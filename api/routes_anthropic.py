@@ -19,15 +19,12 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from sluice.api.errors import ApiError, error_for
 from sluice.api.routes_openai import (
-    _answer,
     _Call,
-    _end_stream,
-    _EventStream,
     _failure,
-    _sse,
     _Stream,
     pop_stream,
     queue_chat,
+    reply,
 )
 from sluice.api.state import Redis, State, get_state
 from sluice.api.validation import FileScan
@@ -61,13 +58,7 @@ async def create_message(request: Request, body: Annotated[dict[str, Any], Body(
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     call = await queue_chat(state, chat, MESSAGES_URL, stream)
-    if stream:
-        s = _MessageStream(call, include_usage=False)
-        return _EventStream(_sse(request, s), lambda: _end_stream(request, s))
-    try:
-        return await _answer(request, call, _render)
-    finally:
-        await call.close()
+    return await reply(request, call, _MessageStream(call, include_usage=False) if stream else None, _render)
 
 
 def _render(call: _Call, result: Result) -> tuple[str, JSONResponse]:

@@ -108,11 +108,16 @@ async def _serve(request: Request, body: dict[str, Any], url: str) -> Any:
     if stream:
         job = job.model_copy(update={"stream": True})
     call = await run_in_threadpool(_queue, state, job, url)
-    if stream:
-        s = _Stream(call, include_usage)
-        return _EventStream(_sse(request, s), lambda: _end_stream(request, s))
+    return await reply(request, call, _Stream(call, include_usage) if stream else None)
+
+
+async def reply(request: Request, call: _Call, stream: _Stream | None, render: Render | None = None) -> Any:
+    """A queued call's answer: ``stream``'s events when given, else the rendered result once it comes (the
+    call closed after; a stream closes it when it ends)."""
+    if stream is not None:
+        return _EventStream(_sse(request, stream), lambda: _end_stream(request, stream))
     try:
-        return await _answer(request, call)
+        return await _answer(request, call, render)
     finally:
         await call.close()
 

@@ -18,15 +18,12 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 from sluice.api.errors import ApiError, error_body
 from sluice.api.routes_openai import (
-    _answer,
     _Call,
-    _end_stream,
-    _EventStream,
     _failure,
-    _sse,
     _Stream,
     pop_stream,
     queue_chat,
+    reply,
 )
 from sluice.api.state import get_state
 from sluice.jobs.responses import (
@@ -53,13 +50,8 @@ async def create_response(request: Request, body: Annotated[dict[str, Any], Body
         raise ApiError(400, str(e), code="invalid_request") from None
     call = await queue_chat(state, chat, RESPONSES_URL, stream, api="responses")
     echo = request_echo(body)
-    if stream:
-        s = _ResponseStream(call, include_usage=False, echo=echo)
-        return _EventStream(_sse(request, s), lambda: _end_stream(request, s))
-    try:
-        return await _answer(request, call, lambda c, r: _render(c, r, echo))
-    finally:
-        await call.close()
+    return await reply(request, call, _ResponseStream(call, include_usage=False, echo=echo) if stream else None,
+                       lambda c, r: _render(c, r, echo))
 
 
 @router.get("/v1/responses/{response_id}", summary="Not kept: responses are not stored here")
