@@ -2,7 +2,7 @@
 paused and the job server restarts; then every promise is checked.
 
     python bench/chaos.py --model /path/to/tiny-model                     # the long setting
-    python bench/chaos.py --model DIR --jobs 500 --kills 3 --seed 7       # tests/test_chaos.py's scale
+    python bench/chaos.py --model DIR --jobs 500 --kills 3 --seed 7       # tests/worker/test_chaos.py's scale
 
 During the batch (``--jobs`` jobs, mixed priorities and lengths, ``--workers`` workers on ``--model``):
 kill -9 a worker holding jobs ``--kills`` times and restart it, restart the Valkey server once (AOF

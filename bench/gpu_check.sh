@@ -42,7 +42,7 @@ tests() {  # tests LIMIT_S: the correctness tests the engine has, on CUDA with t
   SLUICE_TEST_DEVICE=cuda SLUICE_TEST_TOKENIZER=$PWD/$tok TRITON_INTERPRET=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
     timeout -k 10 "$limit" "$py" -m pytest -v -p no:cacheprovider --junitxml "$out/tests.xml" -m "not slow" \
     -k "not cli_refuses and not refused_worker" \
-    tests/test_kernels.py tests/test_sampler_device.py tests/test_engine_correctness.py tests/test_transformers_models.py \
+    tests/kernels/test_kernels.py tests/engine/test_sampler_device.py tests/engine/test_engine_correctness.py tests/engine/test_transformers_models.py \
     2>&1 | tee "$out/tests.log"
   return "${PIPESTATUS[0]}"
 }

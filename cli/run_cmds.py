@@ -33,7 +33,7 @@ worker_options = [
                "--model string, or 'default' without one]."),
     env_option("--metrics-port", envvar="SLUICE_METRICS_PORT", type=click.IntRange(1, 65535), default=None,
                help="Serve the worker's Prometheus metrics on this port."),
-    # Spelled here as well as in WorkerOptions: the CLI imports without the worker (tests/test_deploy.py).
+    # Spelled here as well as in WorkerOptions: the CLI imports without the worker (tests/project/test_deploy.py).
     env_option("--grace-period", envvar="SLUICE_GRACE_PERIOD", type=click.FloatRange(min=0), default=30.0,
                show_default=True, help="Seconds to finish running jobs after Ctrl-C/SIGTERM (a second one stops at "
                "once)."),

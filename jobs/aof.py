@@ -16,7 +16,7 @@ increment files after it are left out of the manifest (a gap in the writes would
 multi-key updates: a consistent older state beats a newer broken one); unlisted newer increment files
 are listed again. The RESP framing read here is the one Valkey's loader reads: ``*<argc>\\r\\n`` then
 argc times ``$<len>\\r\\n<bytes>\\r\\n``, and ``#`` annotation lines between records; its verdicts are
-checked against Valkey's own checker in tests/test_aof.py.
+checked against Valkey's own checker in tests/jobs/test_aof.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A CustomResourceDefinition's openAPIV3Schema as a JSON schema, for offline validation of the resources
-(tests/test_kubernetes.py validates the KEDA ScaledObjects in deploy/kubernetes/ with it).
+(tests/project/test_kubernetes.py validates the KEDA ScaledObjects in deploy/kubernetes/ with it).
 
     git show <keda commit>:config/crd/bases/keda.sh_scaledobjects.yaml \
         | python scripts/crd_to_jsonschema.py v1alpha1 <keda commit> > tests/data/keda/scaledobject-keda-v1alpha1.json

@@ -3,7 +3,7 @@
     python scripts/job_path.py --tree /path/to/checkout [--model DIR]
 
 Starts an embedded job server and a worker in this process (on a tiny random Llama, PyTorch attention: ``--model``, or one
-made with the checkout's tests/helpers.py), waits until the worker idles, then traces (sys.settrace,
+made with the checkout's tests/support/helpers.py), waits until the worker idles, then traces (sys.settrace,
 every thread) while one job is submitted and until its result is in Redis. Per thread, the file that
 runs now follows each call into and return out of the checkout's code (other code is passed through);
 printed: the files entered, the distinct moves between files, the files returned to after being left,
@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--list", action="store_true", help="also print each thread's files in order")
     args = p.parse_args()
     tree = args.tree.resolve()
-    sys.path[:0] = [str(tree), str(tree / "tests")]
+    sys.path[:0] = [str(tree), str(tree / "tests" / "support")]
     home = Path(tempfile.mkdtemp(prefix="job-path-"))
     os.environ["SLUICE_HOME"] = str(home)
     os.environ.pop("SLUICE_REDIS_URL", None)

@@ -22,6 +22,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # `import sluice` (the GPU machine's) and `bench.*`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT] + [_ROOT]
+# The tests live in folders mirroring the packages (tests/engine/, tests/jobs/, ...); what they share
+# (fixtures, helpers, fake engines) is in tests/support/, imported by its bare module names.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
