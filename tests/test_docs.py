@@ -126,7 +126,7 @@ def _stop_group(pgid: int) -> None:
 def _outputs(body: str) -> list[tuple[Path, Path]]:
     """(input, output) of each `sluice generate|submit IN ... -o OUT` line of the example."""
     found = []
-    for line in body.splitlines():
+    for line in body.replace("\\\n", " ").splitlines():  # a continued line is one command
         words = shlex.split(line, comments=True)
         if words[:1] == ["sluice"] and words[1:2] in (["generate"], ["submit"]) and "-o" in words:
             found.append((Path(words[2]), Path(words[words.index("-o") + 1])))
