@@ -15,6 +15,7 @@ install: $(VENV)/.installed
 test: install
 	$(VENV)/bin/ruff check .
 	scripts/typecheck.sh $(VPY)
+	$(VENV)/bin/mkdocs build --strict --quiet  # the docs site: a broken link or anchor fails
 	$(VPY) -m pytest -q -ra
 
 # The embedded job server, a worker and the sample batch through the queue (scripts/demo.sh --help);

@@ -1,5 +1,5 @@
 """The API's settings: the job plane's (``sluice.jobs.settings``) plus its own limits, read from the environment
-when the app is built (``SLUICE_MAX_UPLOAD_BYTES``, ...; the README's configuration table lists them)."""
+when the app is built (``SLUICE_MAX_UPLOAD_BYTES``, ...; docs/configuration.md's table lists them)."""
 
 from __future__ import annotations
 

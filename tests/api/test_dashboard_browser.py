@@ -7,7 +7,7 @@ progress with jobs still queued whenever the page is read, however fast the mach
 48 tokens, 8 at a time, need at least 18,000 steps, six minutes at that pace, far longer than the reads.
 
 ``SLUICE_DASHBOARD_SCREENSHOT=docs/dashboard.png pytest tests/api/test_dashboard_browser.py`` rewrites the
-README's screenshot."""
+screenshot in docs/monitoring.md."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_browser_watches_a_batch_in_progress(up: Up, tmp_path: Path) -> None:
         before = _status(up, bid)["request_counts"]
         browser.js(f"document.querySelector('#batches a[href=\"/batches/{bid}\"]').click()")
         browser.until("!!document.getElementById('progress')", "the batch page (its key from sessionStorage)")
-        # The chart needs two samples, MIN_GAP apart: a few refreshes of the page (more for the README's).
+        # The chart needs two samples, MIN_GAP apart: a few refreshes of the page (more for the docs' screenshot).
         steps = 16 if os.environ.get("SLUICE_DASHBOARD_SCREENSHOT") else 2
         browser.until(f"(document.querySelector('#batch polyline') || {{}}).getAttribute?.('points')?.split(' ')"
                       f".length >= {2 * steps}", "the throughput chart", timeout=30 + 3 * MIN_GAP * steps)

@@ -37,7 +37,7 @@ def test_generate_writes_results_and_error_lines_then_resume_redoes_nothing(tiny
             "--kv-cache-memory", "16MiB", "--max-tokens", "6", "--no-progress"]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == EXIT_SOME_FAILED, res.output
-    got, errors = _read(out), _read(tmp_path / "out.errors.jsonl")  # the errors file the README promises
+    got, errors = _read(out), _read(tmp_path / "out.errors.jsonl")  # the errors file the docs promise
     assert set(got) == {"a", "b", "c", "line-8"} and set(errors) == {"line-3", "d", "e", "f"}
     got.update(errors)
     for ok in ("a", "b", "c", "line-8"):

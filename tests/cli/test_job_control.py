@@ -243,7 +243,7 @@ def test_python_api_requeue_and_retry_refuse_what_cannot_run_again(r: redis.Redi
     assert b.status().counts.failed == 1
 
 
-# ---- settings: validated, spelled once, the README tells the truth --------------------------------------
+# ---- settings: validated, spelled once, the docs tell the truth ----------------------------------------
 @pytest.mark.parametrize(("name", "value"), [("SLUICE_MAX_DELIVERIES", "0"), ("SLUICE_MAX_DELIVERIES", "x"),
                                              ("SLUICE_HEARTBEAT_TTL", "nan"), ("SLUICE_HEARTBEAT_TTL", "0.1")])
 def test_a_bad_retry_setting_is_one_line(name: str, value: str) -> None:
@@ -255,16 +255,15 @@ def test_a_bad_retry_setting_is_one_line(name: str, value: str) -> None:
         assert name in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_readme_retry_flags_exist_on_every_worker_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """Each flag the README's reliability section names is an option of `sluice worker`, `sluice up` and
+def test_the_docs_retry_flags_exist_on_every_worker_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each flag the reliability page (docs/reliability.md) names is an option of `sluice worker`, `sluice up` and
     `python -m sluice.worker` (each spelled once, in jobs/settings.py)."""
     from sluice.cli.main import cli
     from sluice.worker.__main__ import main
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Reliability"):readme.index("\n## ", readme.index("## Reliability") + 1)]
+    section = (ROOT / "docs" / "reliability.md").read_text()
     table = "\n".join(line for line in section.splitlines() if line.startswith("| "))
-    retries = section[section.index("### Retries and dead letters"):section.index("```bash")]
+    retries = section[section.index("## Retries and dead letters"):section.index("```bash")]
     named = set(re.findall(r"`(--[a-z][a-z-]+)", table + retries))
     assert named >= {f.flag for f in RETRY_FLAGS}, named
     with pytest.raises(SystemExit):

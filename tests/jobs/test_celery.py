@@ -53,7 +53,7 @@ SETTLE = 2.5  # seconds to let a second firing show up, were there one (the send
 class Stack:
     r: redis.Redis
     log: Path
-    tmp: Path  # holds pipeline.py, the README's stages, which the Celery worker loads
+    tmp: Path  # holds pipeline.py, the docs' stages (docs/deployment.md), which the Celery worker loads
 
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
@@ -123,8 +123,8 @@ def gpu_worker(model_dir: Path) -> Iterator[ThreadWorker]:
 
 
 def readme_python() -> list[str]:
-    """The Python blocks of the README's Celery section: the stages module, then the client."""
-    text = (ROOT / "README.md").read_text().split("\n## Celery\n", 1)[1].split("\n## ", 1)[0]
+    """The Python blocks of the Celery section (docs/deployment.md): the stages module, then the client."""
+    text = (ROOT / "docs" / "deployment.md").read_text().split("\n## Celery\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
 
 
@@ -283,7 +283,7 @@ def test_racing_retirers_queue_the_signature_once_and_only_after_every_outcome(s
     assert not r.llen(keys.completions()), "the sender left completions unsent"
 
 
-# ---- the README's worked example ------------------------------------------------------------------
+# ---- the docs' worked example (docs/deployment.md) --------------------------------------------------------------
 def test_the_readme_example_runs(stack: Stack, tiny_model_dir: Path) -> None:
     _, client = readme_python()
     out = stack.tmp / "unique.jsonl"

@@ -100,7 +100,7 @@ def test_spilled_results_come_back_once_each_across_the_boundary(r: redis.Redis,
     early = get_result(r, b.id, "job-0")
     assert early is not None and early.idx == 0 and early.text  # found in a file
     # Redis memory: what stays per job once its result is in a file (the exactly-once index and the
-    # custom_id maps), plus the unspilled tail; without spilling it is ~10x this (bench numbers, README).
+    # custom_id maps), plus the unspilled tail; without spilling it is ~10x this (bench numbers, docs/deployment.md).
     per_job = (end - base) / n
     print(f"seed={seed} Redis memory after {n} results: {end - base} bytes ({per_job:.0f} per job)")
     assert end - base <= n * 250 + (at + spill.KEEP + CHUNK) * 1000, (end - base, per_job)

@@ -30,7 +30,7 @@ KEDA = ROOT / "tests" / "data" / "keda"
 KEDA_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): KEDA / "scaledobject-keda-v1alpha1.json",
                 ("keda.sh/v1alpha1", "TriggerAuthentication"): KEDA / "triggerauthentication-keda-v1alpha1.json"}
 NAMESPACE = "sluice"
-EXTERNAL_SECRET = "sluice-api-key"  # the gpu overlay's: created with kubectl (README), never in git
+EXTERNAL_SECRET = "sluice-api-key"  # the gpu overlay's: created with kubectl (docs/deployment.md), never in git
 
 
 def errors_of(doc: dict[str, Any]) -> list[str]:
@@ -220,7 +220,7 @@ def test_the_base_hangs_together_without_kubectl() -> None:
         check_worker(objs, w)
 
 
-def test_the_readme_says_how_to_create_the_gpu_overlays_secret() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_say_how_to_create_the_gpu_overlays_secret() -> None:
+    readme = (ROOT / "docs" / "deployment.md").read_text()
     assert f"create secret generic {EXTERNAL_SECRET} --from-literal=SLUICE_API_KEY=" in readme
     assert "kubectl apply -k deploy/kubernetes/overlays/gpu" in readme

@@ -1,6 +1,7 @@
-"""The README cannot drift from the code: every command, flag, environment variable, make target, compose
-service and path it names exists; its configuration tables list every flag and variable with the
-defaults the code has; and its OpenAI SDK example runs against a live API."""
+"""The README and the docs (docs/*.md, ARCHITECTURE.md) cannot drift from the code: every command, flag,
+environment variable, make target, compose service and path they name exists; the configuration tables
+(docs/configuration.md) list every flag and variable with the defaults the code has; and the OpenAI SDK
+example runs against a live API. tests/project/test_docs.py builds the site and runs the shell examples."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import click
 import pytest
 import yaml
 from click.testing import CliRunner
+from docs_helpers import SHELL, all_text, text
 from sluice.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# Every page a reader sees, one after another: a flag, a path or a table may live in any of them.
+README = all_text()
 PACKAGES = ["cli", "api", "jobs", "worker", "engine", "kernels"]
 ENV_NAME = r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+"
 # Variables the README documents that other software reads, and which one.
@@ -70,9 +73,9 @@ def ticked(cell: str) -> list[str]:
 
 
 def command_lines() -> Iterator[list[str]]:
-    """Shell command lines of the README's non-Python code blocks, as words, comments dropped, split at &&."""
+    """Shell command lines of the shell code blocks, as words, comments dropped, split at &&."""
     for lang, body in code_blocks():
-        if lang == "python":
+        if lang not in SHELL:
             continue
         for line in body.splitlines():
             try:
@@ -359,14 +362,35 @@ def test_architecture_map_covers_every_package() -> None:
     assert all((ROOT / d).is_dir() for d in mapped)
 
 
-def test_readme_sections() -> None:
-    for title in ("Two commands", "Why continuous batching", "Quick start (CLI)", "The HTTP API with the OpenAI SDK",
-                  "docker-compose", "Configuration", "Metrics", "Models", "Benchmarks", "Architecture",
-                  "Redis layout and sharding",
-                  "Celery"):
-        section(title)
-    bench = section("Benchmarks")
-    # The measured table sits beside the commands that reproduce it.
+def test_readme_is_the_front_door() -> None:
+    """The README keeps the pitch, the two commands and a quick start, and links to the docs for the rest."""
+    readme = text("README.md")
+    assert len(readme.splitlines()) <= 300
+    for title in ("Two commands", "Quick start", "Documentation"):
+        assert re.search(rf"^## {title}$", readme, re.M), title
+    assert "make demo" in readme and "sluice generate cli/samples/demo.jsonl" in readme
+
+
+@pytest.mark.parametrize(("page", "titles"), [
+    ("docs/index.md", ["Why continuous batching"]),
+    ("docs/getting-started.md", ["Two commands", "Quick start (CLI)"]),
+    ("docs/configuration.md", ["Environment variables", "docker-compose variables", "Flags"]),
+    ("docs/http-api.md", ["The HTTP API with the OpenAI SDK", "Using Sluice as an OpenAI endpoint", "Responses API"]),
+    ("docs/deployment.md", ["docker-compose", "Running on Kubernetes", "Running on a Redis Cluster", "Celery"]),
+    ("docs/monitoring.md", ["Metrics", "Tracing", "Dashboard"]),
+    ("docs/models.md", ["Tensor parallelism", "Quantized weights"]),
+    ("docs/lora.md", ["Adapters loaded on demand"]),
+    ("docs/embeddings.md", ["Score and rerank"]),
+    ("docs/reliability.md", ["Retries and dead letters"]),
+    ("ARCHITECTURE.md", ["Architecture", "The path of a job", "Redis layout and sharding"]),
+])
+def test_docs_sections(page: str, titles: list[str]) -> None:
+    for title in titles:
+        assert re.search(rf"^#+ {re.escape(title)}$", text(page), re.M), f"{page} has no section {title!r}"
+
+
+def test_benchmark_tables_sit_beside_their_commands() -> None:
+    bench = text("docs/benchmarks.md")
     assert "python bench/throughput.py" in bench and "| Sluice continuous" in bench
     from sluice.jobs import keys
 
@@ -401,7 +425,7 @@ def test_datasets_cli_example_runs(tiny_model_dir: Path, tmp_path: Path) -> None
     settings come from their environment variables (SLUICE_MODEL: the tiny model)."""
     import pyarrow.parquet as pq
 
-    datasets = README.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]  # section() stops at a "# comment"
+    datasets = text("docs/datasets.md")
     (example, *_) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", datasets, re.M | re.S)
                      if lang == "bash"]
     assert "sluice generate texts.parquet" in example
@@ -426,7 +450,7 @@ def test_datasets_python_example_calls_what_the_api_has() -> None:
 
     import sluice
 
-    datasets = README.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]
+    datasets = text("docs/datasets.md")
     (example,) = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", datasets, re.M | re.S) if lang == "python"]
     owners = {"sluice": sluice, "batch": sluice.Batch}
     checked = []

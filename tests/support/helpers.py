@@ -19,7 +19,7 @@ def fresh_seed() -> int:
     return seed
 
 
-# Where the engine tests run: "cpu" here; "cuda" on a GPU machine (README, GPU section), where tests that
+# Where the engine tests run: "cpu" here; "cuda" on a GPU machine (docs/benchmarks.md, "On a GPU"), where tests that
 # build an engine take the Triton backend and the kernel tests put their tensors on the GPU.
 TEST_DEVICE = os.environ.get("SLUICE_TEST_DEVICE", "cpu")
 
