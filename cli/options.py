@@ -75,7 +75,7 @@ def engine_option(f: Field[Any], flag: Flag) -> Any:
     if flag.kind == "bool":
         return click.option(flag_name(f, flag), f.name, is_flag=True, default=default, **kw)
     if flag.repeat:
-        return click.option(flag_name(f, flag), f.name, multiple=True, default=default, type=_click_type(flag),
+        return click.option(flag_name(f, flag), f.name, multiple=True, default=None, type=_click_type(flag),
                             callback=_collected(flag.kind), **kw)
     return click.option(flag_name(f, flag), f.name, type=_click_type(flag), default=default,
                         show_default=default is not None, **kw)
