@@ -40,14 +40,13 @@ from sluice.cli.job_control_cmds import job_control_cmds
 from sluice.cli.job_server_cmds import server_cmd
 from sluice.cli.options import (
     arrival_order_option,
-    engine_kwargs,
     sampling_defaults,
     with_engine_options,
     with_sampling_options,
 )
 from sluice.cli.output import STDIO, default_errors_path
 from sluice.cli.queue_cmds import batches_cmd, cancel_cmd, readable_input, results_cmd, status_cmd, submit_cmd
-from sluice.cli.run_cmds import lora_kwargs, serve_cmd, up_cmd, with_lora_options, worker_cmd
+from sluice.cli.run_cmds import serve_cmd, up_cmd, worker_cmd
 from sluice.jobs.settings import SettingsError
 
 
@@ -77,19 +76,15 @@ def cli(verbose: bool) -> None:
               help="Failed requests and bad lines [default: OUTPUT with .errors before its suffix; with -o -, "
               "stdout too]. Not for a dataset: its rows' errors are in OUTPUT's error column.")
 @with_engine_options
-@with_lora_options
 @with_sampling_options
 @with_row_options()
 @click.option("--resume", is_flag=True, help="Keep OUTPUT and skip the custom_ids (dataset: rows) already in it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @arrival_order_option
-def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, dtype: str,
-             max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None, policy: str,
-             enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-             kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int,
-             lora_modules: dict[str, str], max_loras: int, max_lora_rank: int, max_tokens: int | None,
-             temperature: float | None, top_p: float | None, seed: int | None, chat_template_kwargs: str | None,
-             rows: RowFlags, resume: bool, no_progress: bool, arrival_order: bool) -> None:
+def generate(input_file: str, output_file: str, errors_file: Path | None, model: str | None, engine: dict[str, Any],
+             max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+             chat_template_kwargs: str | None, rows: RowFlags, resume: bool, no_progress: bool,
+             arrival_order: bool) -> None:
     """Run INPUT_FILE through the engine in-process, no queue: results to OUTPUT, failures to ERRORS.
 
     INPUT_FILE is JSONL (- reads stdin): OpenAI batch lines ({"custom_id", "method", "url", "body"}) or
@@ -100,12 +95,8 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     finish_reason, usage and error columns added.
     """
     defaults = sampling_defaults(max_tokens, temperature, top_p, seed, chat_template_kwargs)
-    kwargs = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser, quantization, memory_budget, tensor_parallel_size,
-                           kv_cache_dtype=kv_cache_dtype)
-    kwargs.update(lora_kwargs(lora_modules, max_loras, max_lora_rank))  # lines naming an adapter run on it
     if wants_dataset(rows, input_file, output_file):
-        _generate_dataset(input_file, output_file, errors_file, model, kwargs, defaults, rows, resume, no_progress,
+        _generate_dataset(input_file, output_file, errors_file, model, engine, defaults, rows, resume, no_progress,
                           not arrival_order)
         return
     need_engine(model)
@@ -120,7 +111,7 @@ def generate(input_file: str, output_file: str, errors_file: Path | None, model:
     t0 = time.time()
     try:
         with readable_input(Path(input_file)) as src:
-            s = generate_file(src, target, errors, model=model, engine_kwargs=kwargs, defaults=defaults,
+            s = generate_file(src, target, errors, model=model, engine_kwargs=engine, defaults=defaults,
                               resume=resume, progress=not no_progress, plan=not arrival_order)
     except (OSError, ValueError) as e:
         raise UserError(one_line(e)) from None
@@ -140,16 +131,16 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
     if errors_file is not None:
         raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error column")
     need_engine()
-    from sluice.engine.embedding_model import is_embedding_model
+    from sluice.engine.factory import build_engine, check_generation_model
 
-    if is_embedding_model(model):
-        raise UserError("a dataset runs through a generation model; embeddings take JSONL lines")
+    try:
+        check_generation_model(model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
     def make_engine() -> Any:
-        from sluice.engine.llm import LLM
-
         try:
-            return LLM(model, **kwargs)
+            return build_engine(model, kwargs, generation_only=True)
         except (OSError, ValueError) as e:
             raise UserError(one_line(e)) from None
 

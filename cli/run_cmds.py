@@ -22,9 +22,8 @@ from sluice.cli.common import (
     open_server,
     server_name,
 )
-from sluice.cli.options import Parsed, engine_kwargs, env_option, with_engine_options
+from sluice.cli.options import Parsed, env_option, with_engine_options
 from sluice.jobs.connection import EmbeddedServer, stop_server
-from sluice.jobs.keys import parse_lora_module
 from sluice.jobs.settings import RETRY_FLAGS, load
 from sluice.jobs.store import served_queues
 
@@ -49,63 +48,6 @@ def with_worker_options(f: Any) -> Any:
     return f
 
 
-def _lora_modules(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for spec in value or ():
-        try:
-            name, path = parse_lora_module(spec)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-        if name in out:
-            raise click.BadParameter(f"LoRA adapter {name!r} given twice")
-        out[name] = path
-    return out
-
-
-lora_options = [
-    click.option("--lora", "lora_modules", multiple=True, default=None, metavar="NAME=PATH", callback=_lora_modules,
-                 help="A LoRA adapter (a peft folder) lines may ask for as model 'BASE:NAME' or 'NAME'; repeatable."),
-    click.option("--max-loras", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="Most LoRA adapters in memory, and in one step's batch."),
-    click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True,
-                 help="Highest LoRA rank accepted (a higher one fails its lines)."),
-]
-
-
-def with_lora_options(f: Any) -> Any:
-    for option in reversed(lora_options):
-        f = option(f)
-    return f
-
-
-def lora_kwargs(lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
-                lora_roots: tuple[str, ...] = (), max_cpu_loras: int | None = None) -> dict[str, Any]:
-    """The engine settings of with_lora_options' (and the worker's lora_root_options') flags; none without
-    an adapter or a root."""
-    if not lora_modules and not lora_roots:
-        return {}
-    kw: dict[str, Any] = {"lora_modules": lora_modules, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
-    if lora_roots:
-        kw.update(lora_roots=list(lora_roots), max_cpu_loras=max_cpu_loras)
-    return kw
-
-
-# Adapters loaded when a line names them (engine/lora/sources.py): the worker's only.
-lora_root_options = [
-    click.option("--lora-root", "lora_roots", multiple=True, default=None, metavar="DIR_OR_URL",
-                 help="Where adapters not loaded are loaded from when a line names BASE:NAME (ROOT/NAME, a peft "
-                      "folder): a folder or an fsspec prefix such as s3://bucket/adapters/; repeatable."),
-    click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,
-                 help="Loaded adapters kept in CPU memory.  [default: 4 x --max-loras]"),
-]
-
-
-def with_lora_root_options(f: Any) -> Any:
-    for option in reversed(lora_root_options):
-        f = option(f)
-    return f
-
-
 def _given(**opts: Any) -> dict[str, Any]:
     """The worker options given; the rest keep WorkerOptions' defaults."""
     return {k: v for k, v in opts.items() if v is not None}
@@ -123,26 +65,16 @@ def _run_worker(model: str | None, engine: dict[str, Any], **opts: Any) -> Any:
 @click.command("worker")
 @with_engine_options
 @with_worker_options
-@with_lora_options
-@with_lora_root_options
 @env_option("--worker-id", envvar="SLUICE_WORKER_ID", default=None, help="[default: <host>/<device>]")
 @click.option("--exit-when-idle", type=click.FloatRange(min=0), default=None,
               help="Stop after this many seconds with nothing to do.")
 @job_server_errors
-def worker_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None,
-               kv_cache_memory: int | None, policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str,
-               quantization: str, kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int,
-               queue: str | None, metrics_port: int | None,
-               grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
-               lora_modules: dict[str, str], max_loras: int, max_lora_rank: int,
-               lora_roots: tuple[str, ...], max_cpu_loras: int | None, worker_id: str | None, exit_when_idle: float | None) -> None:
+def worker_cmd(model: str | None, engine: dict[str, Any], queue: str | None, metrics_port: int | None,
+               grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None, worker_id: str | None,
+               exit_when_idle: float | None) -> None:
     """Pull jobs for one model from the queue into the engine until Ctrl-C/SIGTERM (then drain)."""
     need_engine(model)
     open_server().ping()  # the job server first: an unreachable one is reported before the model loads
-    engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser, quantization, memory_budget,
-                           tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
-    engine.update(lora_kwargs(lora_modules, max_loras, max_lora_rank, lora_roots, max_cpu_loras))
     report = _run_worker(model, engine, queue=queue, worker_id=worker_id, metrics_port=metrics_port,
                          grace_period=grace_period, exit_when_idle=exit_when_idle,
                          **_given(max_deliveries=max_deliveries, heartbeat_ttl=heartbeat_ttl))
@@ -241,11 +173,8 @@ class ApiThread:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @job_server_errors
-def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None, kv_cache_memory: int | None,
-           policy: str, enforce_eager: bool, model_impl: str, reasoning_parser: str, quantization: str,
-           kv_cache_dtype: str, memory_budget: int | None, tensor_parallel_size: int, queue: str | None,
-           metrics_port: int | None, grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None,
-           host: str, port: int) -> None:
+def up_cmd(model: str | None, engine: dict[str, Any], queue: str | None, metrics_port: int | None,
+           grace_period: float, max_deliveries: int | None, heartbeat_ttl: float | None, host: str, port: int) -> None:
     """The embedded job server, one worker and the API in one foreground command; Ctrl-C stops all.
 
     The job server is stopped at the end only if this command started it (its data stays in SLUICE_HOME)."""
@@ -260,9 +189,6 @@ def up_cmd(model: str | None, dtype: str, max_num_seqs: int, max_num_batched_tok
     sock = _bind(host, port)
     api = ApiThread(sock)
     api.start()
-    engine = engine_kwargs(dtype, max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, enforce_eager,
-                           model_impl, reasoning_parser, quantization, memory_budget,
-                           tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
     click.echo(f"loading {model or 'the default model'}; job server: {server_name()}", err=True)
     t0 = time.monotonic()
     try:

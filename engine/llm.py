@@ -8,41 +8,21 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import torch
 from sluice.engine.block_manager import BlockManager
+from sluice.engine.build import build_runner, load_model, parallelism
 from sluice.engine.chat_template import render_chat
 from sluice.engine.config import EngineConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.guided import GuidedDecoding
 from sluice.engine.intake import Intake
-from sluice.engine.linear import use_cpu_linear
-from sluice.engine.loader import (
-    ModelSource,
-    check_decoder_only,
-    dense_path,
-    load_config,
-    load_hf_model,
-    load_processor,
-    load_tokenizer,
-    resolve_model,
-)
-from sluice.engine.lora.adapters import require_peft
-from sluice.engine.lora.manager import LoraManager
-from sluice.engine.model_runner import ModelRunner
-from sluice.engine.models.base import CausalLM, UnsupportedModelError
-from sluice.engine.models.native_load import load_native
-from sluice.engine.models.select import build_model
 from sluice.engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
-from sluice.engine.quant.checkpoint import read_weight_scales
-from sluice.engine.quant.int8 import quantize_linears
-from sluice.engine.quant.methods import pick_impl, plan_quantization
 from sluice.engine.reasoning import attach_thinking, find_parser, split_output
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.startup_clock import StartupClock
-from sluice.engine.vision import ImageItem, VisionEncoder, image_urls, is_vision_config
+from sluice.engine.vision import ImageItem, image_urls
 
 log = logging.getLogger(__name__)
 
@@ -62,79 +42,15 @@ class LLM(Intake[_RequestState, Completion]):
         super().__init__()
         clock = StartupClock()
         self.config = EngineConfig(model=model, **config)
-        if self.config.serves_lora:
-            require_peft()  # before the model loads: one line now, not each adapter line failing later
-        self.device = _pick_device(self.config.device)
-        src = resolve_model(model)  # once: every load below reads this source
-        checkpoint_config = load_config(src)
-        check_decoder_only(checkpoint_config)  # before anything reads the config as a decoder's
-        clock.lap("config")  # a GGUF model's first load dequantizes it here (engine/loader.py)
-        self.dtype = _pick_dtype(self.config.dtype, self.device, checkpoint_config.get_text_config(), self.config.cpu_linear)
-        clock.lap("dtype")
-        self.model_impl = pick_impl(checkpoint_config, self.config.quantization, self.config.model_impl)
-        quant = plan_quantization(checkpoint_config, self.config.quantization, self.model_impl, self.device)
-        self.quantization = quant.name
-        # The native model straight from the checkpoint where it can be (engine/models/native_load.py), else
-        # built from transformers' loaded model.
-        fast = self.model_impl == "native" and quant.load_config is None and self.config.tensor_parallel_size == 1
-        hf = None if fast else load_hf_model(src, self.dtype, quant.load_config)
-        clock.lap("weights")
-        processor = load_processor(src) if is_vision_config(checkpoint_config) else None
-        self.tokenizer = load_tokenizer(src, checkpoint_config) if processor is None else processor.tokenizer
-        clock.lap("tokenizer")
-        self.hf_config = checkpoint_config if hf is None else hf.config
-        self.text_config = self.hf_config.get_text_config()  # a vision-language model's decoder; else the config
-        max_len = _model_max_len(self.text_config, self.model_impl)
-        if self.config.max_model_len is not None:
-            max_len = min(max_len, self.config.max_model_len)
-        if self.config.tensor_parallel_size > 1:
-            from sluice.engine.parallel.build import check_supported, driver_device
-
-            if processor is not None:
-                raise UnsupportedModelError("vision-language models run on one device for now (tensor_parallel_size 1)")
-
-            check_supported(self.model_impl, self.hf_config, self.config.tensor_parallel_size)
-            self.device = driver_device(self.device)
-        native = None if hf is not None else load_native(dense_path(src), self.hf_config, max_len, self.device, self.dtype)
-        if native is None and hf is None:  # the fast path did not cover this checkpoint (it logged why)
-            hf = load_hf_model(src, self.dtype, quant.load_config)
-        net: CausalLM = native if native is not None else build_model(hf, self.model_impl, max_len, self.device,
-                                                                        self.dtype)
-        log.info("model %s: %s implementation (%s), quantization %s, %s", self.hf_config.model_type,
-                 self.model_impl, "from transformers' model" if hf is not None else "loaded natively", quant.name,
-                 self.parallelism)
-        # Before the linear layers are replaced: the adapters' targets are read from them.
-        self.lora = self._lora_manager(cast(torch.nn.Module, net))
-        if quant.native_int8:
-            scales = read_weight_scales(dense_path(src)) if quant.checkpoint_scales else None
-            count = quantize_linears(cast(torch.nn.Module, net), scales=scales)
-            log.info("int8 weight-only: %d linear layers (%s scales)", count, "checkpoint" if scales else "absmax")
-        if self.config.tensor_parallel_size > 1:
-            from sluice.engine.parallel.build import start_tensor_parallel
-
-            net = start_tensor_parallel(net, src, self.config, self.hf_config, self.model_impl, self.dtype, self.device, max_len)
-        clock.lap("build")
-        self.cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), self.config.cpu_linear, self.hf_config, self.device,
-                                         self.dtype)
-        clock.lap("gemm")
-        del hf
-        self.runner = ModelRunner(self.config, net, self.device, self.dtype, max_len)  # loads the C++ ops
-        self.runner.lora = self.lora
-        self.vision = None if processor is None else VisionEncoder(cast(Any, net).hf, processor, self.config, self.device,
-                                                                    self.dtype)
-        self.runner.vision = self.vision
-        if self.lora is not None:  # the C++ LoRA op is built and loaded with the C++ attention op
-            self.lora.use_cpu_op = self.runner.kernels is not None and self.device.type == "cpu"
-        clock.lap("ops")
-        num_blocks = self._num_blocks(max_len)
-        self.runner.allocate_kv_cache(num_blocks)
-        allocated_s = clock.lap("kv_cache")
-        self.max_model_len = min(max_len, num_blocks * self.config.block_size)
-        log.info("KV cache: %d blocks = %d tokens (%s, %s; %.1f GB, allocated in %.1f s)", num_blocks,
-                 num_blocks * self.config.block_size, self.dtype, self.device,
-                 num_blocks * self.runner.bytes_per_block() / 1e9, allocated_s)
+        m = load_model(self.config, clock)  # engine/build.py: everything that loads
+        self.device, self.dtype, self.model_impl, self.quantization = m.device, m.dtype, m.model_impl, m.quantization
+        self.tokenizer, self.hf_config, self.text_config = m.tokenizer, m.hf_config, m.text_config
+        self.lora, self.cpu_linear, self.eos_ids = m.lora, m.cpu_linear, m.eos_ids
+        self.runner = build_runner(self.config, m, clock)
+        self.vision = self.runner.vision
+        num_blocks = self._allocate_kv_cache(m.max_len, clock)
+        self.max_model_len = min(m.max_len, num_blocks * self.config.block_size)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.eos_ids = _eos_ids(self.text_config, self.tokenizer, src)
         self.scheduler = Scheduler(self.config, self.block_manager, self.eos_ids, self.max_model_len)
         if self.lora is not None:
             self.lora.in_use = self.scheduler.lora_in_use  # never evicted from under a running sequence
@@ -159,10 +75,7 @@ class LLM(Intake[_RequestState, Completion]):
     @property
     def parallelism(self) -> str:
         """How the model is split, for the start-up line and the worker's heartbeat."""
-        n = self.config.tensor_parallel_size
-        if n == 1:
-            return "one device"
-        return f"tensor parallel {n} ({'nccl' if self.device.type == 'cuda' else 'gloo'})"
+        return parallelism(self.config.tensor_parallel_size, self.device)
 
     @property
     def vocab_size(self) -> int:
@@ -329,13 +242,6 @@ class LLM(Intake[_RequestState, Completion]):
             raise ValueError(f"LoRA adapter {request.lora!r} requested, but this engine serves none")
         self.lora.check(request.lora)  # a LoraError (a ValueError) fails this request only
 
-    def _lora_manager(self, net: torch.nn.Module) -> LoraManager | None:
-        c = self.config
-        if not c.serves_lora:
-            return None
-        return LoraManager(net, self.model_impl, c.lora_modules or {}, c.max_loras, c.max_lora_rank, self.device,
-                           self.dtype, c.lora_roots or (), c.max_cpu_loras)
-
     def _make_seq(self, request: Request, prompt_ids: list[int], index: int, arrival: float,
                   images: list[ImageItem] | None) -> Sequence:
         p = request.params
@@ -382,6 +288,16 @@ class LLM(Intake[_RequestState, Completion]):
         return Completion(state.request.request_id, outs, state.prompt_ids, usage, timings,
                           prompt_logprobs=state.seqs[0].prompt_logprobs)
 
+    def _allocate_kv_cache(self, max_len: int, clock: StartupClock) -> int:
+        """Allocate the KV cache the budget holds; returns its blocks."""
+        num_blocks = self._num_blocks(max_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        allocated_s = clock.lap("kv_cache")
+        log.info("KV cache: %d blocks = %d tokens (%s, %s; %.1f GB, allocated in %.1f s)", num_blocks,
+                 num_blocks * self.config.block_size, self.dtype, self.device,
+                 num_blocks * self.runner.bytes_per_block() / 1e9, allocated_s)
+        return num_blocks
+
     def _num_blocks(self, max_len: int) -> int:
         per_block = self.runner.bytes_per_block()
         budget = self.runner.kv_budget_bytes()
@@ -398,49 +314,3 @@ def _error_completion(request: Request, message: str, arrival: float) -> Complet
     return Completion(request.request_id, [out], list(request.prompt_token_ids or []), Usage(),
                       Timings(arrival, None, time.time()), error=message)
 
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _pick_dtype(name: str, device: torch.device, config: Any, cpu_linear: str) -> torch.dtype:
-    if name != "auto":
-        try:
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-        except KeyError:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}") from None
-    if device.type == "cuda":
-        return torch.bfloat16
-    from sluice.engine.cpu_dtype import pick_cpu_dtype
-
-    dtype, why = pick_cpu_dtype(config, cpu_linear)
-    log.info("dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."), why)
-    return dtype
-
-
-def _model_max_len(config: Any, impl: str) -> int:
-    n = getattr(config, "max_position_embeddings", None) or 4096
-    window = getattr(config, "sliding_window", None)
-    # The native path attends fully: cap at a sliding window so the model never sees past what it was trained on.
-    return min(n, window) if window and impl == "native" else n
-
-
-def _eos_ids(config: Any, tokenizer: Any, src: ModelSource) -> set[int]:
-    ids: set[int] = set()
-    for v in (config.eos_token_id, tokenizer.eos_token_id, _generation_eos(src)):
-        if isinstance(v, int):
-            ids.add(v)
-        elif v:
-            ids.update(v)
-    return ids
-
-
-def _generation_eos(src: ModelSource) -> Any:
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(dense_path(src)).eos_token_id
-    except (OSError, ValueError):
-        return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.data import Data, joined, like, row_spec, sampling_defaults, source_of
+from sluice.engine.config import check_engine_options  # a plain module (no torch)
 
 
 def generate(data: Data, *, model: str | None = None, prompt_column: str | None = None,
@@ -26,7 +27,8 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     sampling settings (``max_tokens=64, temperature=0.7``) apply to every row; columns named like them
     set their own row's. ``resume`` (with ``output``) skips rows a killed run already wrote.
     ``llm`` reuses a loaded ``sluice.engine.llm.LLM``; otherwise ``model`` is loaded with ``engine_options``
-    (LLM keyword arguments) and the LoRA adapters ``lora`` (``{"name": "peft/folder"}``, as ``--lora``):
+    (``sluice.engine.config.EngineConfig``'s settings by name; an unknown or ill-typed one is a ValueError)
+    and the LoRA adapters ``lora`` (``{"name": "peft/folder"}``, as ``--lora``):
     a row whose ``model_column`` names ``"BASE:NAME"`` (or ``"NAME"``) runs on adapter NAME.
     ``storage_options`` go to fsspec for a URL ``data`` and ``output`` (``{"endpoint_url": ...}`` for an
     S3-compatible store).
@@ -35,6 +37,7 @@ def generate(data: Data, *, model: str | None = None, prompt_column: str | None 
     spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat, model_column)
     defaults = sampling_defaults(sampling)
     options = _with_lora(engine_options, lora, llm)
+    check_engine_options(options)  # an unknown or ill-typed option: one ValueError now, not after reading rows
     from sluice.worker.generate_rows import generate_rows  # the engine side: torch only when generating
 
     with joined(source, spec, output, resume, storage_options=storage_options) as (writer, table):
@@ -56,6 +59,6 @@ def _with_lora(engine_options: dict[str, Any] | None, lora: dict[str, Any] | Non
 
 
 def _llm(model: str | None, engine_options: dict[str, Any] | None) -> Any:
-    from sluice.engine.llm import LLM
+    from sluice.engine.factory import build_engine
 
-    return LLM(model, **(engine_options or {}))
+    return build_engine(model, engine_options, generation_only=True)

@@ -5,67 +5,98 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import Field, asdict
 from typing import Any
 
-from sluice.engine.config import KV_CACHE_DTYPES
+from sluice.engine.config import Flag, engine_flags, flag_default, flag_name, given_settings
 from sluice.engine.lora.adapters import LoraError
 from sluice.engine.models.base import UnsupportedModelError
-from sluice.jobs.keys import parse_lora_module
+from sluice.jobs.flag_values import collect, parse_value
 from sluice.jobs.settings import RETRY_FLAGS, SettingsError
-from sluice.jobs.units import parse_size
 from sluice.worker.isolation import EngineSick
 from sluice.worker.run import run_worker
 
 EXIT_ENGINE_SICK = 3  # the engine fails even alone: a supervisor (compose, systemd) should restart us
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sluice.worker", description=__doc__)
-    p.add_argument("--model", default=None, help="model path or name (default: SmolLM2-135M-Instruct)")
+    add_engine_flags(p)
     p.add_argument("--queue", default=None, help="queue to serve (default: the --model string)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="default: SLUICE_REDIS_URL, else the embedded server")
-    p.add_argument("--dtype")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="a size: 2GiB, 512MB or bytes")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="auto (the model's dtype) or int8")
-    p.add_argument("--lora", action="append", type=_lora, default=None, metavar="NAME=PATH",
-                   help="a LoRA adapter lines may ask for as model BASE:NAME or NAME (repeatable)")
-    p.add_argument("--max-loras", type=int)
-    p.add_argument("--max-lora-rank", type=int)
-    p.add_argument("--lora-root", dest="lora_roots", action="append", default=None, metavar="DIR_OR_URL",
-                   help="where adapters lines name as BASE:NAME are loaded from when not loaded (repeatable)")
-    p.add_argument("--max-cpu-loras", type=int, help="loaded adapters kept in CPU memory (default: 4 x max-loras)")
-    p.add_argument("--image-url-prefix", action="append", default=None, metavar="PREFIX",
-                   help="image URLs lines may name besides data: URLs, e.g. file:///data/photos/ or s3://bucket/ "
-                        "(repeatable; default: none, so a line cannot make the worker read a file)")
-    # Defaults: WorkerOptions' and EngineConfig's; only what is given is passed on.
+    # Defaults: WorkerOptions'; only what is given is passed on.
     p.add_argument("--lookahead", type=int)
     for f in RETRY_FLAGS:  # spelled once in jobs/settings.py (sluice worker takes them too)
         p.add_argument(f.flag, type=_parsed(f.parse), default=None, help=f.help + f" Env: {f.envvar}.")
     p.add_argument("--grace-period", type=float)
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--exit-when-idle", type=float, help="seconds")
+    return p
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """EngineConfig's flags (engine/config.py), as ``sluice worker`` has them: a flag not given reads its
+    variable, else means the setting's default."""
+    for f, flag in engine_flags():
+        text = f"{flag.help or ''} Env: {flag.envvar}." if flag.envvar else flag.help or ""
+        kw: dict[str, Any] = dict(dest=f.name, help=text.strip().replace("%", "%%"))  # argparse %-formats help
+        if flag.kind == "bool":
+            p.add_argument(flag_name(f, flag), action="store_true", default=_env_default(f, flag), **kw)
+            continue
+        kw["metavar"] = flag.metavar
+        if flag.repeat:  # collected after parsing (a duplicate LoRA name is refused there)
+            p.add_argument(flag_name(f, flag), action="append", type=_flag_type(flag), default=None, **kw)
+        else:
+            p.add_argument(flag_name(f, flag), type=_flag_type(flag), choices=flag.choices or None,
+                           default=_env_default(f, flag), **kw)
+
+
+def _env_default(f: Field[Any], flag: Flag) -> Any:
+    """The flag's variable, parsed, where it is set; else the setting's default."""
+    raw = os.environ.get(flag.envvar or "", "")
+    if not raw.strip():
+        return flag_default(f, flag)
+    try:
+        return parse_value(flag.kind, raw, flag.min, flag.choices)
+    except ValueError as e:
+        raise SettingsError(f"{flag.envvar}: {e}") from None
+
+
+def _flag_type(flag: Flag) -> Callable[[str], Any]:
+    return _parsed(lambda text: parse_value(flag.kind, str(text), flag.min, flag.choices))
+
+
+def engine_settings(a: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """The model and the engine settings of parsed flags (as ``sluice worker`` passes them on)."""
+    values = {f.name: getattr(a, f.name) for f, _ in engine_flags()}
+    for f, flag in engine_flags():
+        if flag.repeat:
+            values[f.name] = collect(flag.kind, values[f.name] or ())
+    return values.pop("model"), given_settings(values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        p = build_parser()
+    except SettingsError as e:  # a bad SLUICE_* variable of an engine flag
+        sys.exit(f"python -m sluice.worker: error: {e}")
     a = p.parse_args(argv)
     try:
         for f in RETRY_FLAGS:  # the variable where the flag is not given
             if getattr(a, f.dest) is None:
                 setattr(a, f.dest, f.from_env())
-    except SettingsError as e:
+        model, engine = engine_settings(a)
+    except (SettingsError, ValueError) as e:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    given = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "lora", "image_url_prefix")}
-    if a.image_url_prefix:
-        given["image_url_prefixes"] = tuple(a.image_url_prefix)
-    if a.lora:
-        given["lora_modules"] = dict(a.lora)
+    names = {f.name for f, _ in engine_flags()}
+    given = {k: v for k, v in vars(a).items() if v is not None and k not in names}
     try:
-        report = run_worker(a.model, **given)
+        report = run_worker(model, **given, **engine)
     except UnsupportedModelError as e:  # its waiting jobs were failed with the reason
         logging.getLogger("worker").error("exiting: %s", e)
         sys.exit(1)
@@ -85,13 +116,6 @@ def _parsed(parse: Callable[[object], Any]) -> Callable[[str], Any]:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return convert
-
-
-def _lora(spec: str) -> tuple[str, str]:
-    try:
-        return parse_lora_module(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.cross_encoder import CrossEncoderEngine, is_cross_encoder_model
+from sluice.engine.cross_encoder import is_cross_encoder_model
 from sluice.engine.embedding_engine import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
 from sluice.engine.embedding_model import is_embedding_model
+from sluice.engine.factory import build_engine
 from sluice.engine.llm import LLM
 from sluice.engine.outputs import Completion
 from sluice.jobs import prefix_plan
@@ -28,7 +29,6 @@ from sluice.jobs.schemas import ErrorInfo, Job, Result, SamplingParams
 from sluice.worker.convert import Parts
 from sluice.worker.kinds import GENERATION, engine_request, engine_result, serves
 from sluice.worker.progress import generate
-from sluice.worker.run import embedding_kwargs
 
 
 @dataclass
@@ -96,15 +96,11 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
 
 
 def _engine(model: str | None, engine_kwargs: dict[str, Any], jobs: list[Job]) -> LLM | EmbeddingEngine:
-    if is_cross_encoder_model(model):
-        assert model is not None
-        return CrossEncoderEngine(model, **embedding_kwargs(engine_kwargs))
-    if is_embedding_model(model):
-        assert model is not None
-        if engine_kwargs.get("lora_modules"):
+    if is_cross_encoder_model(model) or is_embedding_model(model):
+        if engine_kwargs.get("lora_modules") and not is_cross_encoder_model(model):
             raise ValueError("LoRA adapters (--lora) need a generation model, not an embedding model")
-        return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))
-    return LLM(model, **_fitted(engine_kwargs, jobs))
+        return build_engine(model, engine_kwargs)  # type: ignore[return-value]
+    return build_engine(model, _fitted(engine_kwargs, jobs))  # type: ignore[return-value]
 
 
 def _fitted(engine_kwargs: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:

@@ -29,20 +29,11 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
     o = WorkerOptions(queue=queue or queue_name(model), **{k: v for k, v in kwargs.items() if k in names})
     factory = None
     if llm is None:
-        from sluice.engine.cross_encoder import is_cross_encoder_model
-        from sluice.engine.embedding_model import is_embedding_model
+        from sluice.engine.factory import build_engine
         from sluice.engine.models.base import UnsupportedModelError
 
         def factory() -> Engine:
-            if is_cross_encoder_model(model):  # before is_embedding_model: a CrossEncoder may have modules.json
-                from sluice.engine.cross_encoder import CrossEncoderEngine
-                assert model is not None
-                return CrossEncoderEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
-            if model is not None and is_embedding_model(model):
-                from sluice.engine.embedding_engine import EmbeddingEngine
-                return EmbeddingEngine(model, **embedding_kwargs(engine_kwargs))  # type: ignore[return-value]
-            from sluice.engine.llm import LLM
-            return LLM(model, **engine_kwargs)
+            return build_engine(model, engine_kwargs)
 
         try:
             llm = factory()
@@ -51,14 +42,3 @@ def run_worker(model: str | None = None, *, queue: str | None = None, stop_event
             raise
     return Worker(llm, o, stop_event, factory).run()
 
-
-def embedding_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The engine options an embedding engine has (the CLI's KV cache, policy, ... are generation's);
-    dtype "auto" is float32 there."""
-    from sluice.engine.embedding_engine import EmbeddingConfig
-
-    names = {f.name for f in fields(EmbeddingConfig)}
-    out = {k: v for k, v in engine_kwargs.items() if k in names}
-    if out.get("dtype") == "auto":
-        out.pop("dtype")
-    return out

@@ -14,7 +14,7 @@ from sluice.engine.llm import LLM
 from sluice.engine.outputs import Request
 from sluice.engine.sampling_params import SamplingParams
 from sluice.jobs.lines import normalize_messages
-from vision_helpers import data_url, make_tiny_llava, random_image
+from vision_helpers import data_url, image_bytes, make_tiny_llava, random_image
 
 
 def test_generate_takes_image_lines(tmp_path: Path) -> None:
@@ -56,3 +56,30 @@ def test_python_api_takes_image_messages(tmp_path: Path) -> None:
                                  params=SamplingParams(max_tokens=5, temperature=0)) for i, r in enumerate(rows)])
     assert [r["completion"] for r in out] == [c.text for c in want]
     assert llm.stats["images_encoded"] == 3  # the second run: from the prefix and encoder caches
+
+
+def test_generate_reads_image_files_only_under_image_url_prefix(tmp_path: Path) -> None:
+    """`sluice generate --image-url-prefix` (an engine flag like the others): a file under the prefix is read,
+    one outside it fails only its own line, with the reason; without the flag, both fail."""
+    model = make_tiny_llava(tmp_path / "llava" / "m", seed=3)
+    rng = random.Random(fresh_seed())
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    for d in (allowed, outside):
+        d.mkdir()
+        (d / "a.png").write_bytes(image_bytes(random_image(rng, 45, 60)))
+    lines = [{"custom_id": cid, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"file://{d}/a.png"}}, {"type": "text", "text": "caption it"}]}]}
+        for cid, d in (("in", allowed), ("out", outside))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for prefixes, completed in (([f"file://{allowed}/"], {"in"}), ([], set())):
+        out = tmp_path / f"out{len(prefixes)}.jsonl"
+        flags = [a for p in prefixes for a in ("--image-url-prefix", p)]
+        res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(model), "--dtype",
+                                       "float32", "--kv-cache-memory", "16MiB", "--no-progress", *flags])
+        assert res.exit_code == EXIT_SOME_FAILED, res.output
+        got = {x["custom_id"] for x in map(json.loads, out.read_text().splitlines())}
+        errors = {x["custom_id"]: x["error"]["message"]
+                  for x in map(json.loads, out.with_suffix(".errors.jsonl").read_text().splitlines())}
+        assert got == completed and set(errors) == {"in", "out"} - completed
+        assert all("not under an allowed image URL prefix" in m for m in errors.values()), errors

@@ -407,16 +407,16 @@ def test_the_token_budget_default_is_each_engines_own() -> None:
     EmbeddingConfig's budget, a generation worker at EngineConfig's (they differ)."""
     from click.testing import CliRunner
     from sluice.cli.main import cli
-    from sluice.cli.options import engine_kwargs
-    from sluice.engine.config import EngineConfig
+    from sluice.engine.config import EngineConfig, given_settings
     from sluice.engine.embedding_engine import EmbeddingConfig
-    from sluice.worker.run import embedding_kwargs
+    from sluice.engine.factory import embedding_options
 
-    unset = engine_kwargs("auto", 256, None, None, "continuous")
+    unset = given_settings({"dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": None})
     assert "max_num_batched_tokens" not in unset
-    assert EmbeddingConfig(**embedding_kwargs(unset)).max_num_batched_tokens == EmbeddingConfig.max_num_batched_tokens
-    assert engine_kwargs("auto", 256, 777, None, "continuous")["max_num_batched_tokens"] == 777
-    assert EmbeddingConfig(**embedding_kwargs(engine_kwargs("auto", 256, 777, None, "continuous"))).max_num_batched_tokens == 777
+    assert EmbeddingConfig(**embedding_options(unset)).max_num_batched_tokens == EmbeddingConfig.max_num_batched_tokens
+    given = given_settings({"dtype": "auto", "max_num_seqs": 256, "max_num_batched_tokens": 777})
+    assert given["max_num_batched_tokens"] == 777
+    assert EmbeddingConfig(**embedding_options(given)).max_num_batched_tokens == 777
     assert EmbeddingConfig.max_num_batched_tokens != EngineConfig.max_num_batched_tokens
     help_text = " ".join(CliRunner().invoke(cli, ["worker", "--help"]).output.split())  # unwrapped
     assert f"default {EngineConfig.max_num_batched_tokens}" in help_text
