@@ -142,19 +142,16 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
     need_engine()
     from sluice.engine.embedding_model import is_embedding_model
 
-    if is_embedding_model(model):
-        raise UserError("a dataset runs through a generation model; embeddings take JSONL lines")
-
     def make_engine() -> Any:
-        from sluice.engine.llm import LLM
+        from sluice.worker.runner import build_engine
 
         try:
-            return LLM(model, **kwargs)
+            return build_engine(model, kwargs)
         except (OSError, ValueError) as e:
             raise UserError(one_line(e)) from None
 
     s = generate_dataset(input_file, output, rows, resume=resume, progress=not no_progress, make_engine=make_engine,
-                         defaults=defaults, plan=plan)
+                         defaults=defaults, plan=plan, embed=is_embedding_model(model))
     if s.failed or s.no_result:
         sys.exit(EXIT_SOME_FAILED)
 
