@@ -103,14 +103,12 @@ def list_models(state: State) -> dict[str, Any]:
     parallelism: dict[str, set[str]] = {}
     adapters: dict[str, str] = {}  # "base:adapter" -> base
     for w in list_workers(state.redis()):
-        queue = w.get("queue") or "default"
-        # "serves": generation | embedding, from the worker's heartbeat (older workers: generation)
-        serves.setdefault(queue, set()).add(w.get("serves") or "generation")
-        # the weights' quantization each worker loaded (engine/quant/methods.py; older workers: none)
-        quantization.setdefault(queue, set()).add(w.get("quantization") or "none")
+        queue = w.queue_name
+        serves.setdefault(queue, set()).add(w.serves)  # generation | embedding | score
+        quantization.setdefault(queue, set()).add(w.quantization)  # engine/quant/methods.py's name
         # how each worker splits the model: "one device" or "tensor parallel N (gloo|nccl)"
-        parallelism.setdefault(queue, set()).add(w.get("parallelism") or "one device")
-        for name in w.get("adapters") or []:  # LoRA adapters, named as lines name them
+        parallelism.setdefault(queue, set()).add(w.parallelism)
+        for name in w.adapters:  # LoRA adapters, named as lines name them
             adapters[f"{queue}:{name}"] = queue
     data = [{"id": q, "object": "model", "created": 0, "owned_by": "sluice", "serves": sorted(serves[q]),
              "quantization": sorted(quantization[q]), "parallelism": sorted(parallelism[q])} for q in sorted(serves)]
@@ -126,7 +124,7 @@ def healthz(state: State) -> JSONResponse:
         replica_of = None if is_cluster(r) else _read_only_replica_of(r)
     except (redis.RedisError, OSError, RuntimeError) as e:
         return JSONResponse({"status": "unavailable", "job_server": f"{type(e).__name__}: {e}"}, status_code=503)
-    models = sorted({w.get("queue") or "default" for w in workers})
+    models = sorted({w.queue_name for w in workers})
     if replica_of is not None:
         # Reads work but nothing can be submitted: unhealthy, so the deployment notices and repoints the API.
         return JSONResponse({"status": "read_only", "job_server": f"a read-only replica of {replica_of}: "

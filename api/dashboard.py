@@ -34,7 +34,7 @@ from sluice.api.rate_samples import Point, RateSamples
 from sluice.api.state import Redis, State, require_key
 from sluice.jobs.openai_output import line_error_to_output_line, result_to_output_line
 from sluice.jobs.rates import duration, rates
-from sluice.jobs.schemas import Batch, Result
+from sluice.jobs.schemas import Batch, Result, WorkerHeartbeat
 from sluice.jobs.store import (
     count_batches,
     get_batch,
@@ -208,15 +208,13 @@ def batch_row(b: Batch, now: float) -> dict[str, Any]:
             "finished": stamp(ended) if b.is_final and ended else None, "paused": b.paused_at is not None}
 
 
-def worker_row(w: dict[str, Any], now: float) -> dict[str, Any]:
-    total, free = int(w.get("total_blocks") or 0), int(w.get("free_blocks") or 0)
-    beat = float(w.get("time") or 0.0)
-    prompt, cached = int(w.get("prompt_tokens") or 0), int(w.get("cached_tokens") or 0)
-    return {"id": str(w.get("id") or "?"), "host": str(w.get("host") or ""), "queue": str(w.get("queue") or "default"),
-            "running": int(w.get("running") or 0), "waiting": int(w.get("waiting") or 0),
-            "held": int(w.get("held") or 0), "kv_used": total - free, "kv_total": total,
+def worker_row(w: WorkerHeartbeat, now: float) -> dict[str, Any]:
+    total, free, beat = w.total_blocks, w.free_blocks, w.time
+    prompt, cached = w.prompt_tokens, w.cached_tokens
+    return {"id": w.id, "host": w.host, "queue": w.queue_name, "running": w.running, "waiting": w.waiting,
+            "held": w.held, "kv_used": total - free, "kv_total": total,
             "kv_percent": 100.0 * (total - free) / total if total else 0.0,
-            "beat_ago": duration(max(0.0, now - beat)) if beat else "-", "draining": bool(w.get("draining")),
+            "beat_ago": duration(max(0.0, now - beat)) if beat else "-", "draining": w.draining,
             "prompt_tokens": prompt, "cached_tokens": cached,
             "cache_percent": 100.0 * cached / prompt if prompt else None}
 

@@ -14,6 +14,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sluice.jobs.schemas import WorkerHeartbeat
 from sluice.jobs.store import Backlog, list_workers, queue_backlog, queues_with_jobs
 
 READ_EVERY = 5.0  # seconds a reading of the job plane is reused: scrapes must not each SCAN Redis
@@ -34,14 +35,14 @@ def _families() -> tuple[GaugeMetricFamily, ...]:
 class JobPlaneCollector(Collector):
     def __init__(self, get_redis: Callable[[], redis.Redis]) -> None:
         self.get_redis = get_redis
-        self._reading: tuple[list[dict[str, Any]], dict[str, Backlog]] | None = None
+        self._reading: tuple[list[WorkerHeartbeat], dict[str, Backlog]] | None = None
         self._read_at = -math.inf
 
-    def _read(self) -> tuple[list[dict[str, Any]], dict[str, Backlog]]:
+    def _read(self) -> tuple[list[WorkerHeartbeat], dict[str, Backlog]]:
         if self._reading is None or time.monotonic() - self._read_at > READ_EVERY:
             r = self.get_redis()
             workers = list_workers(r)
-            queues = {w.get("queue") or "default" for w in workers} | queues_with_jobs(r) | {"default"}
+            queues = {w.queue_name for w in workers} | queues_with_jobs(r) | {"default"}
             self._reading = workers, {q: queue_backlog(r, q) for q in sorted(queues)}
             self._read_at = time.monotonic()
         return self._reading
@@ -62,9 +63,9 @@ class JobPlaneCollector(Collector):
         up.add_metric([], 1)
         yield up
         for q, n in depths.items():
-            mine = [w for w in workers if (w.get("queue") or "default") == q]
+            mine = [w for w in workers if w.queue_name == q]
             live.add_metric([q], len(mine))
-            running.add_metric([q], sum(int(w.get("running") or 0) for w in mine))
+            running.add_metric([q], sum(w.running for w in mine))
             depth.add_metric([q], n.queued)
             in_flight.add_metric([q], n.in_flight)
         yield from (live, running, depth, in_flight)

@@ -20,7 +20,7 @@ def backlog(r: Redis, model: Annotated[str | None, Query(description="Only this 
                                                                      "--model)")] = None) -> dict[str, Any]:
     """With ``model``: ``{queue, queued, in_flight, backlog, workers}`` of that model's queue (zeros when it
     has no jobs). Without: ``{object: list, data: [...]}`` for every model with jobs or live workers."""
-    workers = [w.get("queue") or "default" for w in list_workers(r)]
+    workers = [w.queue_name for w in list_workers(r)]
     if model is not None:
         q = queue_name(model)
         return {**queue_backlog(r, q).to_dict(), "workers": workers.count(q)}

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _DATASET_SUFFIXES = (".parquet", ".pq", ".csv")
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 OUTPUT_FORMATS = ("parquet", "jsonl", "csv")
-_FIELD = re.compile(r"(?<![\w'-])(prompt_column|messages_column|template_file|template|system|id_column)(?![\w'-])")
+_FIELD = re.compile(r"(?<![\w'-])(prompt_column|messages_column|template_file|template|system|id_column|image_column)(?![\w'-])")
 
 
 class UsageLine(click.ClickException):
@@ -66,6 +66,7 @@ class RowFlags:
     system: str | None = None
     id_column: str | None = None
     model_column: str | None = None
+    image_column: str | None = None
     output_format: str | None = None
 
     def row_given(self) -> bool:
@@ -80,7 +81,7 @@ class RowFlags:
         try:
             return RowSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
                            template=self.template, template_file=self.template_file, system=self.system,
-                           id_column=self.id_column, model_column=self.model_column)
+                           id_column=self.id_column, model_column=self.model_column, image_column=self.image_column)
         except SpecError as e:
             raise UsageLine(_flag_names(str(e))) from None
 
@@ -99,6 +100,9 @@ _ROW_OPTIONS = [
                  "request (text or integer) [default: the row number, from 0]."),
     click.option("--model-column", metavar="COL", default=None, help="Dataset input: the column naming each "
                  "row's model; 'BASE:ADAPTER' (or a bare adapter name) runs that --lora adapter."),
+    click.option("--image-column", metavar="COL", default=None, help="Dataset input: the column holding each "
+                 "row's image (bytes, a path or a URL), sent with its prompt to a vision-language model; paths "
+                 "and URLs are read only under the worker's --image-url-prefix."),
 ]
 _OUTPUT_FORMAT = click.option("--output-format", type=click.Choice(OUTPUT_FORMATS), default=None,
                               help="Write the source's rows with result columns added, in this format "
@@ -168,10 +172,11 @@ def check_spec(source: Source, spec: RowSpec) -> None:
     RowRenderer(spec, None if source.format == "jsonl" else source.column_names())
 
 
-def open_writer(output: str, source: Source, spec: RowSpec, rows: RowFlags, resume: bool = False) -> ResultsWriter:
+def open_writer(output: str, source: Source, spec: RowSpec, rows: RowFlags, resume: bool = False,
+                embeddings: bool = False) -> ResultsWriter:
     from sluice.jobs.datasets import ResultsWriter
 
-    return ResultsWriter(output, source, spec, format=rows.output_format, resume=resume)
+    return ResultsWriter(output, source, spec, format=rows.output_format, resume=resume, embeddings=embeddings)
 
 
 def run_writer(writer: ResultsWriter, run: Callable[[], WriteSummary], interrupted: str) -> WriteSummary:
@@ -195,16 +200,18 @@ def summary_text(s: WriteSummary, seconds: float, output: str) -> str:
 
 
 def generate_dataset(input_url: str, output: str, rows: RowFlags, *, resume: bool, progress: bool,
-                     make_engine: Callable[[], Any], defaults: Any, plan: bool = True) -> WriteSummary:
-    """`sluice generate` on a dataset: rows through the engine in this process, joined to OUTPUT."""
+                     make_engine: Callable[[], Any], defaults: Any, plan: bool = True,
+                     embed: bool = False) -> WriteSummary:
+    """`sluice generate` on a dataset: rows through the engine in this process, joined to OUTPUT
+    (``embed``: an embedding model's, each row's text embedded into an embedding column)."""
     t0 = time.time()
     with dataset_errors():
         from sluice.worker.generate_rows import generate_rows
 
-        spec = rows.spec()
+        spec = replace(rows.spec(), embed=embed)
         source = open_input(input_url)
         check_spec(source, spec)
-        writer = open_writer(output, source, spec, rows, resume)
+        writer = open_writer(output, source, spec, rows, resume, embeddings=embed)
         if resume:
             click.echo(f"resuming: {writer.journal.count()} rows already have a result", err=True)
         s = run_writer(writer, lambda: generate_rows(source, spec, writer, make_engine, defaults=defaults,

@@ -131,21 +131,22 @@ def _generate_dataset(input_file: str, output: str, errors_file: Path | None, mo
     if errors_file is not None:
         raise UsageLine("--errors is for JSONL lines: a dataset's rows carry their errors in OUTPUT's error column")
     need_engine()
-    from sluice.engine.factory import build_engine, check_generation_model
+    from sluice.engine.embedding_model import is_embedding_model
+    from sluice.engine.factory import build_engine, check_row_model
 
     try:
-        check_generation_model(model)
+        check_row_model(model)
     except ValueError as e:
         raise UserError(str(e)) from None
 
     def make_engine() -> Any:
         try:
-            return build_engine(model, kwargs, generation_only=True)
+            return build_engine(model, kwargs)
         except (OSError, ValueError) as e:
             raise UserError(one_line(e)) from None
 
     s = generate_dataset(input_file, output, rows, resume=resume, progress=not no_progress, make_engine=make_engine,
-                         defaults=defaults, plan=plan)
+                         defaults=defaults, plan=plan, embed=is_embedding_model(model))
     if s.failed or s.no_result:
         sys.exit(EXIT_SOME_FAILED)
 

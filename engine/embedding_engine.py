@@ -96,6 +96,10 @@ class EmbeddingEngine(Intake[_RequestState, EmbeddingOutput]):
     """``EmbeddingEngine(model, **config)``: see ``EmbeddingConfig`` for the settings."""
 
     serves = "embedding"  # sluice.engine.llm.LLM serves generation (a worker's heartbeat says which)
+    # engine/protocol.py's rest, as the LLM has them: an embedding model loads unquantized on one device, no LoRA
+    quantization = "none"
+    parallelism = "one device"
+    lora = None
 
     def __init__(self, model: str, **config: Any) -> None:
         super().__init__()

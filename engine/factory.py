@@ -10,16 +10,13 @@ from typing import Any
 from sluice.engine.protocol import Engine
 
 
-def build_engine(model: str | None, options: dict[str, Any] | None = None, *, generation_only: bool = False) -> Engine:
+def build_engine(model: str | None, options: dict[str, Any] | None = None) -> Engine:
     """The engine serving ``model``; ``options`` are EngineConfig's settings (an embedding engine takes
-    those it has: ``embedding_options``). ``generation_only``: a model of another kind is a ValueError (a
-    dataset's rows are generated)."""
+    those it has: ``embedding_options``)."""
     from sluice.engine.cross_encoder import is_cross_encoder_model
     from sluice.engine.embedding_model import is_embedding_model
 
     options = options or {}
-    if generation_only:
-        check_generation_model(model)
     if is_cross_encoder_model(model):  # before is_embedding_model: a CrossEncoder may have modules.json
         from sluice.engine.cross_encoder import CrossEncoderEngine
 
@@ -28,19 +25,21 @@ def build_engine(model: str | None, options: dict[str, Any] | None = None, *, ge
     if model is not None and is_embedding_model(model):
         from sluice.engine.embedding_engine import EmbeddingEngine
 
+        if options.get("lora_modules"):
+            raise ValueError("LoRA adapters (--lora) need a generation model, not an embedding model")
         return EmbeddingEngine(model, **embedding_options(options))  # type: ignore[return-value]
     from sluice.engine.llm import LLM
 
     return LLM(model, **options)
 
 
-def check_generation_model(model: str | None) -> None:
-    """A dataset's rows are generated: an embedding or cross-encoder model is a ValueError, before it loads."""
+def check_row_model(model: str | None) -> None:
+    """A dataset's rows are generated or embedded: a cross-encoder (it scores pairs) is a ValueError, before
+    it loads."""
     from sluice.engine.cross_encoder import is_cross_encoder_model
-    from sluice.engine.embedding_model import is_embedding_model
 
-    if is_cross_encoder_model(model) or is_embedding_model(model):
-        raise ValueError("a dataset runs through a generation model; embeddings take JSONL lines")
+    if is_cross_encoder_model(model):
+        raise ValueError("a cross-encoder scores pairs: give it /v1/score or /v1/rerank lines (JSONL), not a dataset")
 
 
 def embedding_options(options: dict[str, Any]) -> dict[str, Any]:

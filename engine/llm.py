@@ -38,6 +38,8 @@ class _RequestState:
 class LLM(Intake[_RequestState, Completion]):
     """``LLM(model=None, **config)``: see ``EngineConfig`` for the settings."""
 
+    serves = "generation"  # engine/protocol.py: what a worker's heartbeat says it serves
+
     def __init__(self, model: str | None = None, **config: Any) -> None:
         super().__init__()
         clock = StartupClock()

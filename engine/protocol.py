@@ -14,7 +14,12 @@ class Engine(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer: spells out logprob tokens and echoed prompts
     model_impl: str  # native | transformers, for the log
     device: Any  # a torch.device; named in the worker's default id
+    serves: str  # generation | embedding | score (worker/kinds.py: which jobs it runs)
+    quantization: str  # the weights' method (engine/quant/methods.py), "none"
+    lora: Any  # engine/lora/cache.py's adapters it serves, or None
 
+    @property
+    def parallelism(self) -> str: ...  # "one device" or "tensor parallel N (backend)"
     @property
     def vocab_size(self) -> int: ...
     @property

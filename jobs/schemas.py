@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -360,3 +361,48 @@ class Batch(BaseModel):
 
 def _int_or_none(x: float | None) -> int | None:
     return None if x is None else int(x)
+
+
+class WorkerHeartbeat(BaseModel):
+    """What a live worker says of itself each beat (keys.heartbeat): written by its consumer session
+    (the engine's side from worker/worker.py), read by jobs/store.list_workers for the API, /metrics,
+    the dashboard and the CLI. Defaults are what an older worker's heartbeat without the field means."""
+
+    model_config = ConfigDict(extra="ignore")  # a newer worker's fields do not break an older reader
+
+    id: str
+    host: str = ""
+    pid: int = 0
+    queue: str | None = None  # None: the default queue
+    time: float = 0.0  # when it was written (unix seconds)
+    held: int = 0  # jobs the worker holds
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0  # KV cache blocks
+    total_blocks: int = 0
+    draining: bool = False
+    serves: Literal["generation", "embedding", "score"] = "generation"
+    quantization: str = "none"
+    parallelism: str = "one device"
+    adapters: list[str] = Field(default_factory=list)  # LoRA adapters served without a lookup
+    lora_roots: bool = False  # loads adapters named by lines from --lora-root
+    prompt_tokens: int = 0  # since it started; cached_tokens of them served by the prefix cache
+    cached_tokens: int = 0
+    unwritten: int = 0  # results waiting in its outbox
+    writes_held_since: float | None = None  # the server refuses its writes (full) since then
+    write_error: str | None = None
+
+    @property
+    def queue_name(self) -> str:
+        return self.queue or "default"
+
+    @classmethod
+    def read(cls, value: str | bytes | None) -> WorkerHeartbeat | None:
+        """A heartbeat key's value; None when absent or not a heartbeat (a stray key must not break a
+        listing of the live workers)."""
+        if value is None:
+            return None
+        try:
+            return cls.model_validate_json(value)
+        except ValidationError:
+            return None

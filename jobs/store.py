@@ -22,6 +22,7 @@ from sluice.jobs.schemas import (
     LineErrorInfo,
     Result,
     ResultUsage,
+    WorkerHeartbeat,
 )
 from sluice.jobs.scripts import Scripts, results_after, sweep, transition
 
@@ -387,19 +388,19 @@ def pending_under(r: redis.Redis, batch_id: str, consumer: str) -> int:
     return total
 
 
-def list_workers(r: redis.Redis) -> list[dict[str, Any]]:
+def list_workers(r: redis.Redis) -> list[WorkerHeartbeat]:
     """What each live worker last said in its heartbeat."""
     names = list(r.scan_iter(match=keys.worker_pattern(), count=1000))  # on a cluster: every primary
     pipe = r.pipeline(transaction=False)  # not MGET: on a cluster the heartbeats are spread over slots
     for name in names:
         pipe.get(name)
     values = pipe.execute() if names else []
-    return [json.loads(v) for v in values if v]
+    return [w for w in map(WorkerHeartbeat.read, values) if w is not None]
 
 
 def served_queues(r: redis.Redis) -> set[str]:
     """The queues (model names) live workers serve."""
-    return {w["queue"] for w in list_workers(r) if w.get("queue")}
+    return {w.queue for w in list_workers(r) if w.queue}
 
 
 def served_kinds(r: redis.Redis) -> dict[str, set[str]]:
@@ -407,5 +408,5 @@ def served_kinds(r: redis.Redis) -> dict[str, set[str]]:
     field is an older worker's: generation). A queue without a named model is "default"."""
     kinds: dict[str, set[str]] = {}
     for w in list_workers(r):
-        kinds.setdefault(w.get("queue") or "default", set()).add(w.get("serves") or "generation")
+        kinds.setdefault(w.queue_name, set()).add(w.serves)
     return kinds

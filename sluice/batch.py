@@ -140,7 +140,7 @@ class Batch:
 def submit(data: Data, *, model: str | None = None, prompt_column: str | None = None,
            messages_column: str | None = None, template: str | None = None, template_file: str | None = None,
            system: str | None = None, id_column: str | None = None, model_column: str | None = None,
-           chat: bool = True, priority: int = 0,
+           image_column: str | None = None, chat: bool = True, priority: int = 0,
            metadata: dict[str, str] | None = None, r: redis.Redis | None = None,
            storage_options: dict[str, Any] | None = None, **sampling: Any) -> Batch:
     """Queue every row of ``data`` (see ``sluice.generate`` for the row options) on the job server
@@ -149,7 +149,8 @@ def submit(data: Data, *, model: str | None = None, prompt_column: str | None = 
     from sluice.jobs.connection import connect
 
     source = source_of(data, storage_options)
-    spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat, model_column)
+    spec = row_spec(prompt_column, messages_column, template, template_file, system, id_column, chat, model_column,
+                    image_column)
     defaults = sampling_defaults(sampling)
     r = r or connect()
     batch, row_errors = submit_rows(source, spec, r, model=model, defaults=defaults, priority=priority,

@@ -25,10 +25,10 @@ def source_of(data: Data, storage_options: dict[str, Any] | None = None) -> Sour
 
 def row_spec(prompt_column: str | None, messages_column: str | None, template: str | None,
              template_file: str | None, system: str | None, id_column: str | None, chat: bool,
-             model_column: str | None = None) -> RowSpec:
+             model_column: str | None = None, image_column: str | None = None) -> RowSpec:
     return RowSpec(prompt_column=prompt_column, messages_column=messages_column, template=template,
                    template_file=template_file, system=system, id_column=id_column, chat=chat,
-                   model_column=model_column)
+                   model_column=model_column, image_column=image_column)
 
 
 def sampling_defaults(sampling: dict[str, Any]) -> SamplingParams | None:

@@ -12,7 +12,6 @@ from typing import Any
 
 from sluice.engine.outputs import Completion, CompletionOutput, Request
 from sluice.engine.outputs import TokenLogprob as EngineLogprob
-from sluice.engine.sampling_params import SamplingParams as EngineParams
 from sluice.jobs.lines import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from sluice.jobs.schemas import (
     Choice,
@@ -25,6 +24,7 @@ from sluice.jobs.schemas import (
     TokenLogprob,
     TopLogprob,
 )
+from sluice.worker.sampling import engine_params
 
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
@@ -35,11 +35,7 @@ def job_to_request(job: Job, request_id: str | None = None, vocab_size: int | No
     p = job.params
     if vocab_size is not None and any(t >= vocab_size for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
-    fields = p.model_dump(exclude={"chat_template_kwargs"})  # the template's options go with the request
-    # max_tokens 0 scores the prompt only: the engine samples one token, which the result leaves out.
-    fields["max_tokens"] = max(p.max_tokens, 1)
-    params = EngineParams(**{**fields, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
-                             "guided_choice": list(p.guided_choice) if p.guided_choice is not None else None})
+    params = engine_params(p)
     template_kwargs = json.loads(p.chat_template_kwargs) if p.chat_template_kwargs is not None else None
     return Request(request_id or job.id or job.custom_id, prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
                    params=params, tools=job.tools, chat_template_kwargs=template_kwargs, priority=job.priority)

@@ -1,7 +1,7 @@
 """A dataset's rows through the engine in-process (``sluice generate`` on a dataset, and
 ``sluice.generate``): requests are read from the source as the engine has room for them, and each
 result is joined to its row by the ResultsWriter as it finishes, so neither the rows nor their
-requests are all in memory at once."""
+requests are all in memory at once. The engine loop is worker/runner.py's, as for JSONL lines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.prefix_plan import planned
 from sluice.jobs.schemas import Job, SamplingParams
-
-WINDOW_PER_SEQ = 2  # requests read ahead per engine slot: the scheduler always has the next ones waiting
 
 
 def generate_rows(source: Source, spec: RowSpec, writer: ResultsWriter, engine: Callable[[], Any], *,
@@ -35,37 +33,15 @@ def generate_rows(source: Source, spec: RowSpec, writer: ResultsWriter, engine: 
 
 def run_jobs(engine: Any, jobs: Iterator[Job], writer: ResultsWriter, progress: bool = True,
              total: int | None = None) -> None:
-    """Feed ``jobs`` to ``engine`` a window at a time (read on as requests finish) and give each result
-    to ``writer`` as it finishes."""
-    from sluice.worker.convert import completion_to_result, job_to_request
-    from sluice.worker.lora import job_adapter
-    from tqdm import tqdm
+    """Feed ``jobs`` to ``engine`` a window at a time (worker/runner.py) and give each result to
+    ``writer`` as it finishes (the writer puts it at its row: the output keeps the source's order)."""
+    from sluice.worker import runner
 
-    vocab = getattr(engine, "vocab_size", None)  # a vision-language model's is its decoder's
-    window = WINDOW_PER_SEQ * getattr(getattr(engine, "config", None), "max_num_seqs", 64)
-    in_flight: dict[str, Job] = {}
-    more = True
-    with tqdm(total=total, unit="row", desc="generate", disable=not progress) as bar:
-        while True:
-            while more and len(in_flight) < window:
-                job = next(jobs, None)
-                if job is None:
-                    more = False
-                    break
-                try:
-                    request = job_to_request(job, vocab_size=vocab)
-                    request.lora = job_adapter(job.model, engine)  # a row naming "BASE:ADAPTER" (model_column)
-                    engine.add_request(request)
-                except ValueError as e:  # settings the engine refuses: that row's error
-                    writer.add_error(RowError(job.line - 1, job.custom_id, "invalid_request", str(e)))
-                    continue
-                in_flight[job.custom_id] = job
-            if not in_flight:
-                return
-            for c in engine.step():
-                job = in_flight.pop(c.request_id)
-                writer.add(result_to_output_line(job, completion_to_result(job, c, engine.tokenizer)))
-                bar.update(1)
+    def refuse(job: Job, why: str) -> None:  # settings the engine refuses: that row's error
+        writer.add_error(RowError(job.line - 1, job.custom_id, "invalid_request", why))
+
+    runner.run(engine, jobs, lambda job, result: writer.add(result_to_output_line(job, result)),
+               progress=progress, total=total, on_refused=refuse)
 
 
 def _jobs(source: Source, spec: RowSpec, defaults: SamplingParams | None, writer: ResultsWriter,

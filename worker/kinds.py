@@ -23,8 +23,8 @@ _RUNS = {GENERATION: ("chat", "completion"), EMBEDDING: ("embedding", *SCORE_KIN
 
 
 def serves(engine: Any) -> str:
-    """``embedding`` for an EmbeddingEngine, ``generation`` for sluice.engine.llm.LLM (which has no such field)."""
-    return getattr(engine, "serves", GENERATION)
+    """``generation``, ``embedding`` or ``score`` (engine/protocol.py's ``serves``)."""
+    return str(engine.serves)
 
 
 def engine_request(job: Job, rid: str, engine: Any) -> Request | EmbeddingRequest | PairRequest:

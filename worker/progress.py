@@ -15,7 +15,7 @@ from sluice.engine.outputs import Completion, Request
 
 
 class Progress:
-    def __init__(self, total: int, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
+    def __init__(self, total: int | None, interval: float = 0.5, **tqdm_kwargs: Any) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="req", desc="generate", **tqdm_kwargs)
@@ -24,8 +24,12 @@ class Progress:
 
     def on_step(self, done: list[Completion], tokens: Callable[[], int]) -> None:
         """LLM.generate's ``on_step``."""
+        self.advance(len(done), tokens)
+
+    def advance(self, done: int, tokens: Callable[[], int]) -> None:
+        """The runner's (worker/runner.py) step: ``done`` jobs finished in it."""
         if done:
-            self.bar.update(len(done))
+            self.bar.update(done)
         if time.monotonic() - self.shown >= self.interval:
             self.show_rate(tokens())
 
@@ -38,7 +42,7 @@ class Progress:
         self.bar.close()
 
 
-def progress_bar(total: int) -> Progress:
+def progress_bar(total: int | None) -> Progress:
     return Progress(total)
 
 

@@ -17,7 +17,7 @@ def job_finished(h: Held, out: Completion | EmbeddingOutput, worker_id: str) -> 
     attrs = {**tracing.job_attributes(h.job.id, h.job.batch_id), "sluice.worker": worker_id}
     t = out.timings
     tracing.record("sluice.claim", tp, h.claim_started, h.pulled_at, attrs)
-    admitted = getattr(t, "admitted", None)
+    admitted = t.admitted
     tracing.record("sluice.admission", tp, t.queued, admitted, attrs)
     tracing.record("sluice.first_token", tp, admitted, t.first_token, attrs)
     tracing.record("sluice.finish", tp, t.first_token, t.finished, attrs)

@@ -73,8 +73,8 @@ class Worker(Draining):
         llm = self.llm
         return {"held": len(self.held), "running": llm.num_running, "waiting": llm.num_waiting,
                 "free_blocks": llm.num_free_blocks, "total_blocks": llm.num_total_blocks, "draining": self.draining,
-                "serves": serves(llm), "quantization": getattr(llm, "quantization", "none"),
-                "adapters": adapter_names(llm), "lora_roots": loads_adapters(llm), "parallelism": getattr(llm, "parallelism", "one device"),
+                "serves": serves(llm), "quantization": llm.quantization,
+                "adapters": adapter_names(llm), "lora_roots": loads_adapters(llm), "parallelism": llm.parallelism,
                 **_prompt_cache(llm)}
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -83,8 +83,7 @@ class Worker(Draining):
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
         log.info("worker %s on queue %r: %s model implementation, quantization %s, %s, %d KV blocks, holds at "
-                 "most %d jobs", self.id, self.o.queue, self.llm.model_impl, getattr(self.llm, "quantization", "none"),
-                 getattr(self.llm, "parallelism", "one device"),
+                 "most %d jobs", self.id, self.o.queue, self.llm.model_impl, self.llm.quantization, self.llm.parallelism,
                  self.llm.num_total_blocks, self.puller.max_held)
         self.session.start()
         try:
@@ -333,5 +332,5 @@ class Worker(Draining):
 
 def _prompt_cache(llm: Any) -> dict[str, int]:
     """Prompt tokens this worker was asked for and those its prefix cache served (since it started)."""
-    stats = getattr(llm, "stats", None) or {}
+    stats = llm.stats
     return {"prompt_tokens": int(stats.get("prompt_tokens", 0)), "cached_tokens": int(stats.get("prefix_cache_hit_tokens", 0))}

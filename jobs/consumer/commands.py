@@ -21,7 +21,7 @@ from sluice.jobs import keys
 from sluice.jobs import scripts as script
 from sluice.jobs.full import is_full
 from sluice.jobs.pipes import NodePipes
-from sluice.jobs.schemas import Job
+from sluice.jobs.schemas import Job, WorkerHeartbeat
 from sluice.jobs.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -362,8 +362,8 @@ def claim_identity(r: redis.Redis, worker_id: str, payload: str, ttl_ms: int) ->
     return bool(r.set(keys.heartbeat(worker_id), payload, nx=True, px=ttl_ms))
 
 
-def identity_holder(r: redis.Redis, worker_id: str) -> dict[str, Any] | None:
-    return json.loads(r.get(keys.heartbeat(worker_id)) or "null")
+def identity_holder(r: redis.Redis, worker_id: str) -> WorkerHeartbeat | None:
+    return WorkerHeartbeat.read(r.get(keys.heartbeat(worker_id)))
 
 
 Beat = Literal["renewed", "kept", "lapsed"]

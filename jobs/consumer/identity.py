@@ -45,7 +45,7 @@ def _try(r: redis.Redis, wid: str, payload: Callable[[str], str], ttl: float, wa
         if consumer.claim_identity(r, wid, payload(wid), ttl_ms):
             return True
         holder = consumer.identity_holder(r, wid)
-        if holder is not None and holder.get("host") == socket.gethostname() and not pid_alive(holder["pid"]):
+        if holder is not None and holder.host == socket.gethostname() and not pid_alive(holder.pid):
             consumer.take_over(r, wid, payload(wid), ttl_ms)
             return True
         if time.monotonic() >= deadline:

@@ -20,7 +20,6 @@ knows no Redis:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -43,7 +42,7 @@ from sluice.jobs.consumer.outbox import REDIS_DOWN, WriteHeld, Writer, Written
 from sluice.jobs.consumer.outcomes import failed_instead
 from sluice.jobs.consumer.upkeep import Upkeep
 from sluice.jobs.housekeeping import RESULTS_TTL
-from sluice.jobs.schemas import Result
+from sluice.jobs.schemas import Result, WorkerHeartbeat
 from sluice.jobs.settings import DEFAULT_HEARTBEAT_TTL, DEFAULT_MAX_DELIVERIES, job_plane
 from sluice.jobs.store import served_queues
 
@@ -132,8 +131,9 @@ class ConsumerSession:
         held: dict[str, Any] = {"unwritten": len(self.outbox)}
         if self._held is not None:
             held |= {"writes_held_since": self._held[0], "write_error": self._held[1]}
-        return json.dumps({"id": wid, "host": socket.gethostname(), "pid": os.getpid(), "queue": self.queue,
-                           "time": time.time(), **self.status(), **held})
+        beat = WorkerHeartbeat(id=wid, host=socket.gethostname(), pid=os.getpid(), queue=self.queue, time=time.time(),
+                               **self.status(), **held)
+        return beat.model_dump_json()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:

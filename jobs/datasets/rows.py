@@ -9,6 +9,7 @@ row's sampling; the id column (default: the row number) is the request's custom_
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -45,6 +46,8 @@ class RowSpec:
     model_column: str | None = None  # its text is the row's model: "BASE:ADAPTER" or a bare adapter runs a LoRA
     chat: bool = True  # the text is the user's message (False: a raw completion prompt)
     sampling_columns: bool = True  # per-row settings from columns named like sampling fields
+    embed: bool = False  # the text is an embedding input (an embedding model's rows), not a prompt
+    image_column: str | None = None  # image bytes, a path or a URL: an image part of the row's user message
 
     def __post_init__(self) -> None:
         given = [k for k in ("prompt_column", "messages_column", "template", "template_file") if getattr(self, k)]
@@ -52,6 +55,11 @@ class RowSpec:
             raise SpecError(f"give one of prompt_column, messages_column, template, template_file (got {', '.join(given)})")
         if self.system is not None and not self.chat:
             raise SpecError("system needs chat requests (chat=True)")
+        if self.image_column and (self.embed or not self.chat):
+            raise SpecError("image_column needs chat requests to a vision-language model (chat=True)")
+        if self.embed and (self.messages_column or self.system is not None):
+            raise SpecError("an embedding model's rows are text to embed: give a prompt_column or template, "
+                            "not messages_column or system")
         if self.template is not None:
             try:
                 parts = list(string.Formatter().parse(self.template))
@@ -65,7 +73,8 @@ class RowSpec:
 
     def columns_used(self) -> list[str]:
         """Columns every row must have (a template's fields; the prompt, messages and id columns)."""
-        cols = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column) if c]
+        cols = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column,
+                            self.image_column) if c]
         if self.template:
             cols += [_top_field(f) for _, f, _, _ in string.Formatter().parse(self.template) if f]
         return list(dict.fromkeys(cols))
@@ -173,8 +182,10 @@ class RowRenderer:
 
     def line(self, row: dict[str, Any], n: int, custom_id: str, validate: bool) -> str:
         obj: dict[str, Any] = {"custom_id": custom_id}
-        messages = self._messages(row)
-        if messages is not None:
+        messages = None if self.spec.embed else self._messages(row)
+        if self.spec.embed:
+            obj["input"] = self._text(row)
+        elif messages is not None:
             obj["messages"] = messages
         else:
             text = self._text(row)
@@ -182,7 +193,9 @@ class RowRenderer:
                 obj["messages"] = self._with_system([], text)
             else:
                 obj["prompt"] = text
-        if self.spec.sampling_columns:
+        if self.spec.image_column:
+            obj["messages"] = with_image(obj["messages"], image_url(row, self.spec.image_column))
+        if self.spec.sampling_columns and not self.spec.embed:  # an embedding line takes no sampling
             obj.update(self._settings(row))
         if self.spec.model_column:
             obj.update(self._model(row))
@@ -249,6 +262,41 @@ class RowRenderer:
         names = self.settings if self.settings is not None else [
             k for k in row if k in ROW_SETTINGS and k not in self.used]
         return {k: row[k] for k in names if row.get(k) is not None and row.get(k) != ""}
+
+
+def image_url(row: dict[str, Any], col: str) -> str:
+    """The row's image as an image part's URL: bytes as a data: URL; a path or URL as it is (the engine
+    reads it only under the worker's --image-url-prefix, as a chat line's)."""
+    value = _value(row, col)
+    if isinstance(value, dict):  # a Hugging Face datasets Image: {"bytes", "path"}
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        return f"data:{_image_mime(data)};base64,{base64.b64encode(data).decode()}"
+    if isinstance(value, str) and value:
+        return value
+    raise _Bad("invalid_image", f"column {col!r} is a {type(value).__name__}, not image bytes, a path or a URL")
+
+
+# An image's first bytes -> its type (the data: URL names one; the engine decodes whatever it is).
+_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8", "image/jpeg"), (b"GIF8", "image/gif"), (b"BM", "image/bmp"),
+          (b"RIFF", "image/webp"), (b"II*\x00", "image/tiff"), (b"MM\x00*", "image/tiff"))
+
+
+def _image_mime(data: bytes) -> str:
+    return next((mime for magic, mime in _MAGIC if data.startswith(magic)), "application/octet-stream")
+
+
+def with_image(messages: list[dict[str, Any]], url: str) -> list[dict[str, Any]]:
+    """``messages`` with the image leading the last user message's content (its text after it)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise _Bad("invalid_messages", "an image column needs a user message to attach the image to")
+    content = messages[last].get("content")
+    parts = content if isinstance(content, list) else [] if content in (None, "") else [{"type": "text", "text": content}]
+    out = list(messages)
+    out[last] = {**messages[last], "content": [{"type": "image_url", "image_url": {"url": url}}, *parts]}
+    return out
 
 
 def _value(row: dict[str, Any], col: str) -> Any:

@@ -92,10 +92,10 @@ def live(tiny_cross_encoder: Path, tiny_model_dir: Path, tmp_path_factory: pytes
         try:
             url = wait_for_url(proc, serve_log, timeout=60)
             r = connect()
-            wait_for(lambda: ce.poll() is not None or any(w["queue"] == CE for w in list_workers(r)), 180,
+            wait_for(lambda: ce.poll() is not None or any(w.queue == CE for w in list_workers(r)), 180,
                      "the cross-encoder worker's heartbeat")
             assert ce.poll() is None, log.read_text()[-3000:]
-            assert {w["queue"]: w["serves"] for w in list_workers(r)}[CE] == "score"
+            assert {w.queue: w.serves for w in list_workers(r)}[CE] == "score"
             yield Live(url, minilm)
         finally:
             assert stop(proc) == 0, serve_log.read_text()[-3000:]

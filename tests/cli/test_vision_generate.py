@@ -83,3 +83,75 @@ def test_generate_reads_image_files_only_under_image_url_prefix(tmp_path: Path) 
                   for x in map(json.loads, out.with_suffix(".errors.jsonl").read_text().splitlines())}
         assert got == completed and set(errors) == {"in", "out"} - completed
         assert all("not under an allowed image URL prefix" in m for m in errors.values()), errors
+
+
+def _image_rows(tmp_path: Path, rng: random.Random) -> list[dict[str, object]]:
+    from vision_helpers import image_bytes
+
+    imgs = [random_image(rng, 40 + 3 * i, 50) for i in range(3)]
+    paths = []
+    for i, img in enumerate(imgs):
+        paths.append(tmp_path / "imgs" / f"{i}.png")
+        paths[-1].parent.mkdir(exist_ok=True)
+        paths[-1].write_bytes(image_bytes(img))
+    rows: list[dict[str, object]] = [{"text": f"caption {i}", "image": image_bytes(img), "path": str(p)}
+                                     for i, (img, p) in enumerate(zip(imgs, paths, strict=True))]
+    rows.append({"text": "caption bad", "image": b"\x89PNG not really", "path": str(tmp_path / "imgs" / "bad.png")})
+    (tmp_path / "imgs" / "bad.png").write_bytes(b"\x89PNG not really")
+    return rows
+
+
+def test_image_column_in_a_dataset_equals_the_chat_line(tmp_path: Path) -> None:
+    """--image-column (issue 45): a Parquet column of image bytes, and one of paths (read only under the
+    engine's image_url_prefixes), each row an image part with its prompt: the same greedy tokens as the
+    chat line; a corrupt image fails its row only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = make_tiny_llava(tmp_path / "llava" / "m", seed=3)
+    seed = fresh_seed()
+    rows = _image_rows(tmp_path, random.Random(seed))
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=16 << 20, image_url_prefixes=(f"file://{(tmp_path / 'imgs').resolve()}/",))
+    want = llm.generate([Request(f"x{i}", messages=normalize_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url_of(r["image"])}}, {"type": "text", "text": r["text"]}]}]),
+        params=SamplingParams(max_tokens=6, temperature=0)) for i, r in enumerate(rows[:3])])
+    import sluice
+
+    for column in ("image", "path"):  # bytes as a data: URL; a path as the engine reads a chat line's
+        out = sluice.generate(str(src), prompt_column="text", image_column=column, llm=llm, max_tokens=6,
+                              temperature=0, progress=False).to_pylist()
+        assert [r["completion"] for r in out[:3]] == [c.text for c in want], (column, seed)
+        assert [r["usage"]["completion_tokens"] for r in out[:3]] == [len(c.outputs[0].token_ids) for c in want]
+        assert all(r["error"] is None for r in out[:3]) and out[3]["completion"] is None, column
+        assert "cannot be decoded" in out[3]["error"]["message"], out[3]["error"]
+
+
+def test_image_column_on_the_command_line(tmp_path: Path) -> None:
+    """``sluice generate DATASET --image-column``: the bytes column's rows as the Python API's, the bad one failed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = make_tiny_llava(tmp_path / "llava" / "m", seed=3)
+    rows = _image_rows(tmp_path, random.Random(fresh_seed()))
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(model), "--dtype", "float32",
+                                   "--kv-cache-memory", "16MiB", "--no-progress", "--prompt-column", "text",
+                                   "--image-column", "image", "--max-tokens", "6"])
+    assert res.exit_code == EXIT_SOME_FAILED, res.output
+    got = pq.read_table(out).to_pylist()
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=16 << 20)
+    want = [c.text for c in llm.generate([Request(f"x{i}", messages=normalize_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url_of(r["image"])}}, {"type": "text", "text": r["text"]}]}]),
+        params=SamplingParams(max_tokens=6, temperature=0)) for i, r in enumerate(rows[:3])])]
+    assert [r["completion"] for r in got] == [*want, None]
+    assert "cannot be decoded" in got[3]["error"]["message"]
+
+
+def data_url_of(data: object) -> str:
+    import base64
+
+    assert isinstance(data, bytes)
+    return "data:image/png;base64," + base64.b64encode(data).decode()

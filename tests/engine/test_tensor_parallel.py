@@ -104,8 +104,8 @@ def test_a_rank_killed_mid_batch_takes_its_worker_down_and_every_job_completes_o
                  240, "20% done")
         assert p.poll() is None, log.read_text()[-3000:]
         assert held_by(r, b.id, "w1") > 0  # the worker dies holding jobs
-        beat = [w for w in list_workers(r) if w.get("queue") == "tiny"]
-        assert [w["parallelism"] for w in beat] == ["tensor parallel 2 (gloo)"]
+        beat = [w for w in list_workers(r) if w.queue == "tiny"]
+        assert [w.parallelism for w in beat] == ["tensor parallel 2 (gloo)"]
         rank1 = int(re.findall(r"tensor parallel: rank 1 is pid (\d+)", log.read_text())[-1])
         _kill(rank1)
         assert p.wait(timeout=30) == EXIT_RANK_DIED, log.read_text()[-3000:]

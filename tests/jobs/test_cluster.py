@@ -60,7 +60,7 @@ def test_batches_spread_over_the_nodes_two_workers_share_them(cr: redis.Redis, c
     llms = [engine(tiny_model_dir) for _ in range(2)]  # both built before either starts: neither has a head start
     workers = [ThreadWorker(llm, worker_id=f"w{i}") for i, llm in enumerate(llms)]
     try:
-        wait_for(lambda: {w["id"] for w in list_workers(cr)} >= {"w0", "w1"}, 30, "both heartbeats")
+        wait_for(lambda: {w.id for w in list_workers(cr)} >= {"w0", "w1"}, 30, "both heartbeats")
         wait_for(lambda: all(final(cr, b.id) for b in batches), 120, "every batch to finish")
     finally:
         reports = [w.join() for w in workers]

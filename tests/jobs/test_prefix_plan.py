@@ -149,12 +149,12 @@ def test_prompt_tokens_served_from_cache_per_batch_and_per_worker(r: redis.Redis
     w = ThreadWorker(tiny(tiny_model_dir, block_size=16), worker_id="cache")
     try:
         wait_for(lambda: final(r, b.id), 300, "the batch")
-        wait_for(lambda: any(x.get("cached_tokens") for x in list_workers(r)), 30, "a heartbeat with the counts")
-        beat = next(x for x in list_workers(r) if x["id"] == "cache")
+        wait_for(lambda: any(x.cached_tokens for x in list_workers(r)), 30, "a heartbeat with the counts")
+        beat = next(x for x in list_workers(r) if x.id == "cache")
     finally:
         w.join()
     usage = get_batch(r, b.id).usage
     assert 0 < usage.cached_tokens < usage.prompt_tokens, (seed, usage)
-    assert (beat["cached_tokens"], beat["prompt_tokens"]) == (usage.cached_tokens, usage.prompt_tokens), seed
-    row = worker_row(beat, beat["time"])
+    assert (beat.cached_tokens, beat.prompt_tokens) == (usage.cached_tokens, usage.prompt_tokens), seed
+    row = worker_row(beat, beat.time)
     assert row["cache_percent"] == 100.0 * usage.cached_tokens / usage.prompt_tokens

@@ -191,7 +191,7 @@ def live(wide_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         try:
             url = wait_for_url(proc, serve_log, timeout=60)
             r = connect()
-            wait_for(lambda: worker.poll() is not None or any(w["queue"] == BERT for w in list_workers(r)), 180,
+            wait_for(lambda: worker.poll() is not None or any(w.queue == BERT for w in list_workers(r)), 180,
                      "the worker's heartbeat")
             assert worker.poll() is None, log.read_text()[-3000:]
             yield Live(url, worker, log)
@@ -219,7 +219,7 @@ def _assert_serving(live: Live, rng: random.Random) -> None:
     assert ok.status_code == 200, ok.text
     _vectors(ok.json(), 3)
     assert live.worker.poll() is None
-    assert any(w["id"] == "wide" and "writes_held_since" not in w for w in list_workers(connect()))
+    assert any(w.id == "wide" and w.writes_held_since is None for w in list_workers(connect()))
 
 
 def test_online_over_2048_inputs_is_400_and_a_result_too_large_fails_alone(live: Live) -> None:
@@ -294,9 +294,9 @@ def test_writes_held_on_a_batch_the_server_refuses_show_in_the_heartbeat(live: L
         r.set(keys.results(b.id), "not a stream")
     finally:
         live.worker.send_signal(signal.SIGCONT)
-    beat = wait_for(lambda: next((w for w in list_workers(r) if w["id"] == "wide" and "writes_held_since" in w), None),
+    beat = wait_for(lambda: next((w for w in list_workers(r) if w.id == "wide" and w.writes_held_since is not None), None),
                     120, "the heartbeat to say results are held")
-    assert "WRONGTYPE" in beat["write_error"] and beat["unwritten"] >= 1
+    assert "WRONGTYPE" in beat.write_error and beat.unwritten >= 1
     ok = live.post(_texts(rng, 2))  # the worker serves on
     assert ok.status_code == 200, ok.text
     assert r.hlen(keys.done(b.id)) == 0
@@ -305,5 +305,5 @@ def test_writes_held_on_a_batch_the_server_refuses_show_in_the_heartbeat(live: L
     entries = assert_exactly_once(r, b.id, 3)
     assert all(e["status"] == "failed" and e["error"]["code"] == "result_refused" for e in entries)
     assert pending(r, b.id) == 0
-    wait_for(lambda: any(w["id"] == "wide" and "writes_held_since" not in w for w in list_workers(r)), 30,
+    wait_for(lambda: any(w.id == "wide" and w.writes_held_since is None for w in list_workers(r)), 30,
              "the heartbeat to say nothing is held")

@@ -195,7 +195,7 @@ def test_generate_resumes_after_kill_9_with_every_row_exactly_once(llm: Any, tin
 def test_generate_feeds_the_engine_a_window_at_a_time(llm: Any) -> None:
     """The rows are read as the engine has room: never more than two requests per engine slot wait in
     it, so a large source is not turned into requests all at once."""
-    from sluice.worker.generate_rows import WINDOW_PER_SEQ
+    from sluice.worker.runner import WINDOW_PER_SEQ
 
     df = frame(random.Random(fresh_seed()), 90).drop(columns=["max_tokens"])
     state = {"open": 0, "peak": 0}

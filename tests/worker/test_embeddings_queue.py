@@ -284,3 +284,44 @@ def test_openai_sdk_embeddings_batch_and_models(minilm: Any, tiny_model_dir: Pat
     _assert_close(np.asarray(got, dtype=np.float32), want)
     serves = {m["id"]: m["serves"] for m in models["data"]}  # type: ignore[index]
     assert serves == {MINILM: ["embedding"], "tiny": ["generation"]}
+
+
+@needs_minilm
+def test_sluice_generate_on_a_dataset_embeds_each_row(minilm: Any, tmp_path: Path) -> None:
+    """``sluice generate`` on a Parquet dataset with an embedding model: each row's text through the one
+    runner (worker/runner.py) into an ``embedding`` column, in row order; a null text fails its row alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+    from sluice.cli.main import cli
+
+    texts: list[str | None] = list(_texts(7, random.Random(fresh_seed())))
+    texts[2] = None
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(7)], "text": texts}), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    res = CliRunner().invoke(cli, ["generate", str(tmp_path / "in.parquet"), "-o", str(out), "--model", MINILM,
+                                   "--prompt-column", "text", "--id-column", "id", "--no-progress"])
+    assert res.exit_code == 3, res.output  # the null row failed
+    table = pq.read_table(out).to_pylist()
+    assert [r["id"] for r in table] == [f"r{i}" for i in range(7)]
+    assert table[2]["embedding"] is None and "empty" in table[2]["error"]["message"]
+    ok = [i for i in range(7) if i != 2]
+    assert all(table[i]["error"] is None for i in ok)
+    got = np.asarray([table[i]["embedding"] for i in ok], dtype=np.float32)
+    want = np.asarray([o.embeddings[0] for o in minilm.embed(_requests([texts[i] for i in ok]))], dtype=np.float32)
+    _assert_close(got, want)
+
+
+@needs_minilm
+def test_python_api_embeds_a_dataframe(minilm: Any) -> None:
+    """``sluice.generate(df, llm=<an EmbeddingEngine>)``: the DataFrame back with an ``embedding`` column."""
+    import pandas as pd
+
+    import sluice
+
+    texts = _texts(5, random.Random(fresh_seed()))
+    df = pd.DataFrame({"text": texts, "keep": range(5)})
+    out = sluice.generate(df, prompt_column="text", llm=minilm, progress=False)
+    assert list(out["keep"]) == list(range(5)) and out["error"].isna().all()
+    want = np.asarray([o.embeddings[0] for o in minilm.embed(_requests(texts))], dtype=np.float32)
+    _assert_close(np.asarray(list(out["embedding"]), dtype=np.float32), want)

@@ -56,11 +56,11 @@ def test_a_worker_loads_the_adapters_lines_name_from_its_root(r: redis.Redis, tm
     try:
         wait_for(lambda: get_batch(r, b.id).is_final or p.poll() is not None, 600, "the batch to finish")
         assert p.poll() is None, log.read_text()[-3000:]
-        beat = wait_for(lambda: next((w for w in list_workers(r) if w.get("adapters")), None), 30, "a heartbeat")
+        beat = wait_for(lambda: next((w for w in list_workers(r) if w.adapters), None), 30, "a heartbeat")
     finally:
         finish_with(r, b.id, p, log, 60)
-    assert beat["lora_roots"] is True and set(beat["adapters"]) <= set(ADAPTERS)
-    assert 1 <= len(beat["adapters"]) <= 3  # what it holds now: the CPU cache's size at most
+    assert beat.lora_roots is True and set(beat.adapters) <= set(ADAPTERS)
+    assert 1 <= len(beat.adapters) <= 3  # what it holds now: the CPU cache's size at most
     entries = {e["custom_id"]: e for e in assert_exactly_once(r, b.id, len(rows))}
     for i, (model, _) in enumerate(rows[n:], start=n):
         e = entries.pop(f"job-{i}")

@@ -78,7 +78,7 @@ def test_a_batch_over_four_adapters_two_workers_exactly_once(r: redis.Redis,
     reports = [w.join() for w in workers]
     entries = assert_exactly_once(r, b.id, n + 1)
     assert sum(rep.completed + rep.failed for rep in reports) == n + 1
-    assert all(sorted(w["adapters"]) == ADAPTERS for w in beats)
+    assert all(sorted(w.adapters) == ADAPTERS for w in beats)
     ids = {m["id"]: m.get("parent") for m in models_listed}
     assert ids == {"tiny": None, **{f"tiny:{a}": "tiny" for a in ADAPTERS}}
     # Each line ran on its own adapter: the same tokens as one engine given that request alone.
