@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from sluice.engine.attention import AttentionBackend, AttentionMetadata
 from sluice.engine.models.base import CausalLM
+from sluice.engine.mrope import decode_deltas
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import Sequence
 
@@ -82,7 +83,7 @@ class _StaticInputs:
         pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         ids, slots = self.ids_h.numpy(), self.slots_h.numpy()
         ids[:n] = [s.token_ids[s.num_computed_tokens] for s in seqs]
-        self.pos_h.numpy()[:n] = pos
+        self.pos_h.numpy()[:n] = pos + decode_deltas(seqs)  # M-RoPE: a decode token's position is index + delta
         self.lens_h.numpy()[:n] = pos + 1
         width = max(len(s.block_table) for s in seqs)
         tables = self._table_rows(bucket, width)

@@ -118,6 +118,7 @@ class LLM(Intake[_RequestState, Completion]):
         arrival = time.time()
         try:
             prompt_ids, images = self._prompt_ids(request)
+            mrope = self.vision.rope_positions(prompt_ids, images or []) if self.vision is not None else None
             self._check_token_ids(request)
             self._check_fits(request, prompt_ids)
             self._check_lora(request)
@@ -126,6 +127,8 @@ class LLM(Intake[_RequestState, Completion]):
             self._reject(_error_completion(request, str(e), arrival))
             return
         seqs = [self._make_seq(request, prompt_ids, i, arrival, images) for i in range(request.params.n)]
+        for seq in seqs:  # computed once: the n samples share the table
+            seq.mrope = mrope
         self.guided.attach(seqs, grammar)
         attach_thinking(seqs, self.reasoning, request, prompt_ids)
         self.requests[request.request_id] = _RequestState(request, prompt_ids, seqs, arrival)

@@ -195,9 +195,9 @@ def load_hf_model(model: str | ModelSource | None, dtype: torch.dtype, quantizat
 
 def load_processor(model: str | ModelSource | None) -> Any:
     """A vision-language model's processor (its chat template, image processor and tokenizer)."""
-    from transformers import AutoProcessor
+    from sluice.engine.vision_processor import load_processor as load
 
-    return AutoProcessor.from_pretrained(dense_path(_source(model)))
+    return load(dense_path(_source(model)))
 
 
 def load_config(model: str | ModelSource | None) -> Any:

@@ -26,6 +26,7 @@ from sluice.engine.kv_quant import cache_dtype, row_width
 from sluice.engine.lora.batch import adapter_order
 from sluice.engine.lora.manager import LoraManager
 from sluice.engine.models.base import CausalLM
+from sluice.engine.mrope import in_prompt, step_positions
 from sluice.engine.outputs import TokenLogprob
 from sluice.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from sluice.engine.quant.weight_bytes import weight_bytes
@@ -178,7 +179,7 @@ class ModelRunner:
                                                           [batch.num_new_tokens[i] for i in order])
         scoring = wants_prompt_logprobs(batch.seqs)  # prompt logprobs need every computed row's hidden state
         images = self.vision is not None and needs_images(batch.seqs, batch.num_new_tokens)
-        graph = self.decode_runner is not None and not scoring and not images
+        graph = self.decode_runner is not None and not scoring and not images and not in_prompt(batch.seqs)
         decoded = self.decode_runner.run(batch) if graph and self.decode_runner is not None else None
         if decoded is not None:  # a decode-only step, padded to its bucket (a graph replay on CUDA)
             hidden, samplers = decoded
@@ -218,6 +219,7 @@ class ModelRunner:
         rows = self.block_tables.rows_for(seqs)
         token_seq = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu[-1]) - cu[token_seq] + starts[token_seq]
+        rope = step_positions(seqs, starts, ends, positions)  # [3, T] when a sequence has M-RoPE positions
         slots = self.block_tables.table[rows[token_seq], positions // bs].astype(np.int64) * bs + positions % bs
         # A sequence whose last known token is computed this step samples its next one from that row.
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -240,7 +242,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step([s.lora for s in seqs], batch.num_new_tokens)
         input_ids = _h2d(torch.from_numpy(ids), self.device)
-        pos_t = _h2d(torch.from_numpy(positions), self.device)
+        pos_t = _h2d(torch.from_numpy(positions if rope is None else rope), self.device)
         last_rows = _h2d(torch.from_numpy(cu[1:][sampling] - 1), self.device)
         return input_ids, pos_t, meta, last_rows, [seqs[i] for i in sampling.tolist()]
 

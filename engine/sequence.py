@@ -33,6 +33,7 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter's name; None: the base model
     priority: int = 0  # higher first (Request.priority)
     images: list[Any] | None = None  # sluice.engine.vision.ImageItem of a chat request with images, in prompt order
+    mrope: Any = None  # sluice.engine.mrope.MRopePositions: an M-RoPE model's prompt with images (else plain positions)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

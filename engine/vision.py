@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.image_source import load_image
+from sluice.engine.mrope import MRopePositions, prompt_positions, uses_mrope
 from sluice.engine.outputs import Request
 
 # Processor outputs that are the prompt's, not an image's encoder inputs.
@@ -34,6 +35,7 @@ class ImageItem:
     positions: np.ndarray  # ascending prompt positions that take this image's embedding rows, in order
     inputs: dict[str, torch.Tensor] | None = None  # the processor's tensors for this image alone (until encoded)
     embeds: torch.Tensor | None = None  # [len(positions), hidden] once encoded
+    grid: tuple[int, int, int] | None = None  # its tokens' t/h/w grid, where the processor gives one (M-RoPE)
 
     def overlaps(self, start: int, end: int) -> bool:
         return bool(self.positions[0] < end and self.positions[-1] >= start)
@@ -63,6 +65,7 @@ class VisionEncoder:
         self.dtype = dtype
         self.image_token = processor.image_token
         self.image_token_id = int(processor.tokenizer.convert_tokens_to_ids(self.image_token))
+        self.mrope = uses_mrope(hf.config)  # Qwen2-VL-style: each prompt with images gets a t/h/w table
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_encoded = 0  # images run through the encoder
         self.num_cache_hits = 0  # images whose rows came from the cache
@@ -98,7 +101,28 @@ class VisionEncoder:
         one = self.processor(text=[self.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
         count = int((one["input_ids"][0] == self.image_token_id).sum())
         inputs = {k: v for k, v in one.items() if k not in _TEXT_KEYS}
-        return ImageItem(key, np.empty(count, dtype=np.int64), inputs)
+        return ImageItem(key, np.empty(count, dtype=np.int64), inputs, grid=self._grid(one))
+
+    def _grid(self, one: Any) -> tuple[int, int, int] | None:
+        """The image's token grid: the processor's patch grid (``image_grid_thw``) merged ``merge_size`` x
+        ``merge_size`` into tokens."""
+        if "image_grid_thw" not in one:
+            return None
+        t, h, w = (int(x) for x in one["image_grid_thw"][0])
+        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
+        return t, h // merge, w // merge
+
+    def rope_positions(self, ids: list[int], items: list[ImageItem]) -> MRopePositions | None:
+        """An M-RoPE model's position table of a prompt with images (None: plain positions serve)."""
+        if not self.mrope or not items:
+            return None
+        runs = []
+        for item in items:
+            first, count = int(item.positions[0]), len(item.positions)
+            if item.grid is None or int(item.positions[-1]) != first + count - 1:
+                raise ValueError("an image's tokens are not one run with a grid, which M-RoPE positions need")
+            runs.append((first, count, item.grid))
+        return prompt_positions(len(ids), runs)
 
     @staticmethod
     def _place(items: list[ImageItem], where: np.ndarray) -> None:

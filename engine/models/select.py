@@ -12,8 +12,9 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 # Decoder-only architectures the test suite checks token for token against transformers' generate.
 TESTED_TRANSFORMERS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe",
                        "qwen3_moe", "granite", "stablelm", "gpt_neox")
-# Vision-language models (engine/vision.py) checked the same way, with images (tests/engine/test_vision.py).
-TESTED_VISION = ("llava", "idefics3")
+# Vision-language models (engine/vision.py) checked the same way, with images (tests/engine/test_vision.py; M-RoPE:
+# tests/engine/test_vision_qwen2vl.py).
+TESTED_VISION = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl")
 
 
 def pick_model_impl(config: Any, requested: str) -> str:

@@ -104,7 +104,9 @@ class TransformersForCausalLM(nn.Module):
             embeds = self.decoder.get_input_embeddings()(input_ids)
             embeds[images.rows] = images.values.to(embeds.dtype)
             inputs = {"inputs_embeds": embeds[None]}
-        out = self.decoder(position_ids=positions[None], use_cache=False, **inputs, **{STEP_KWARG: step})
+        # positions [T], or [3, T] (M-RoPE's t/h/w rows: engine/mrope.py), as transformers' [.., 1, T]
+        position_ids = positions[:, None] if positions.dim() == 2 else positions[None]
+        out = self.decoder(position_ids=position_ids, use_cache=False, **inputs, **{STEP_KWARG: step})
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

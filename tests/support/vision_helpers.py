@@ -119,3 +119,49 @@ def make_tiny_idefics3(path: Path, seed: int = 0) -> Path:
     Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
                       chat_template=CHAT_TEMPLATE).save_pretrained(path)
     return path
+
+
+# Qwen2-VL's chat template, cut down: each image part is <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def make_tiny_qwen2vl(path: Path, seed: int = 0, version: str = "2") -> Path:
+    """A Qwen2-VL (``version`` "2") or Qwen2.5-VL ("2.5") with random weights and its processor: 8-pixel
+    patches merged 2x2, so an image resized to W x H (multiples of 16) takes (W/16)(H/16) image tokens with
+    2-D M-RoPE positions. The decoder's head (16 dims) splits its rotary frequencies 2/3/3 over t/h/w."""
+    import torch
+    from sluice.engine.vision_processor import images_only
+    from transformers import AutoModelForImageTextToText, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = smollm2_tokenizer().__class__.from_pretrained(_tokenizer_copy(path.parent))
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]})
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad",
+                                                                       "video_pad")}
+    text = dict(_text_config(len(tok)), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [2, 3, 3]})
+    common = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+    tokens = dict(image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+                  vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
+    if version == "2":
+        from transformers import Qwen2VLConfig
+
+        cfg: Any = Qwen2VLConfig(text_config=text, vision_config=dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2),
+                                 **tokens)
+    else:
+        from transformers import Qwen2_5_VLConfig
+
+        vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=32,
+                      fullatt_block_indexes=[1])
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    _widen(model)
+    model.save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 16 * 16, "longest_edge": 96 * 96})
+    # Without torchvision there is no video processor (engine/vision_processor.py); Sluice sends no videos.
+    processor = images_only(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=QWEN_CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    return path
