@@ -126,7 +126,7 @@ def test_bad_options_are_clear(llm: Any) -> None:
 # Paced (tests/support/paced.py): 750 steps, 15 s at the least, so the run is still going when the test kills it.
 _KILLED_GENERATE = """
 import sys
-sys.path.insert(0, {root!r} + "/tests")  # the package itself is installed (sluice.*)
+sys.path.insert(0, {root!r} + "/tests/support")  # the package itself is installed (sluice.*)
 import paced
 import sluice
 paced.pace_every_engine()
