@@ -176,7 +176,9 @@ from importlib.abc import MetaPathFinder
 
 class NotInstalled(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {(*heavy, "engine", "kernels", "worker")!r}:
+        # the model code: every sluice.engine module but the plain options one, sluice.kernels, sluice.worker
+        model_code = name.startswith(("sluice.kernels", "sluice.worker", "sluice.engine.")) and name != "sluice.engine.config"
+        if name.split(".")[0] in {heavy!r} or model_code:
             raise ImportError(f"{{name}} is not installed here")
 
 sys.meta_path.insert(0, NotInstalled())
