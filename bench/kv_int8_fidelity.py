@@ -61,8 +61,10 @@ def run_cache(dtype: str, kv_cache_dtype: str, args: argparse.Namespace, chat: l
     from sluice.engine.llm import LLM
     from sluice.engine.outputs import Request
     from sluice.engine.sampling_params import SamplingParams
+    from sluice.jobs.units import parse_size
 
-    llm = LLM(args.model, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+    llm = LLM(args.model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory)
     t0 = time.perf_counter()
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     chat_out = llm.generate([Request(f"c{i}", prompt_token_ids=p, params=greedy) for i, p in enumerate(chat)])
@@ -130,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-gsm8k", type=int, default=200)
     p.add_argument("--gsm8k-max-tokens", type=int, default=256)
     p.add_argument("--gsm8k-dir", type=Path, default=Path("/tmp/gsm8k"), help="test.jsonl and train.jsonl")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="each run's KV budget (sluice's --kv-cache-memory); '': the engine's own sizing")
     p.add_argument("--tag", default="kv8-fidelity")
     return p.parse_args(argv)
 
