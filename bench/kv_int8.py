@@ -7,7 +7,7 @@
 
 Each (workload, cache) pair runs in a fresh process (bench/kv_int8.py --child) on the same prompt token ids
 (bench/workloads.py's chat and long-prompt workloads, greedy, ``ignore_eos`` so both caches do the same
-work), after a short warm-up. Reported per pair: output tokens/s, KV blocks for the budget, the most
+work), after a short warm-up, best of ``--repeats`` (2) runs. Reported per pair: output tokens/s, KV blocks for the budget, the most
 sequences running at once (``max_running``: what the budget allowed), preemptions, and prompts whose
 tokens equal the 16-bit run's, and requests that failed (a prompt longer than the whole cache). The default budget (``--kv-cache-memory``, 256MiB) holds about 40 chat
 sequences of SmolLM2-135M in bfloat16 and about twice that in int8, under ``--max-num-seqs`` 256.
@@ -46,16 +46,20 @@ def run_child(args: argparse.Namespace) -> None:
         return [Request(f"r{i}", prompt_token_ids=p, params=params) for i, p in enumerate(ids)]
 
     llm.generate(requests(w["prompt_token_ids"][:2], 4))  # warm-up: first calls' one-off set-up
-    before = dict(llm.stats)
-    t0 = time.perf_counter()
-    done = llm.generate(requests(w["prompt_token_ids"], w["max_tokens"]))
-    seconds = time.perf_counter() - t0
+    best: dict[str, Any] = {}
+    for _ in range(args.repeats):  # the best of the runs: a busy moment slows one run, never speeds one up
+        before = dict(llm.stats)
+        t0 = time.perf_counter()
+        done = llm.generate(requests(w["prompt_token_ids"], w["max_tokens"]))
+        seconds = time.perf_counter() - t0
+        if not best or seconds < best["seconds"]:
+            best = {"seconds": seconds, "done": done, "preemptions": llm.stats["preemptions"] - before["preemptions"]}
+    seconds, done = best["seconds"], best["done"]
     out = [c.outputs[0].token_ids for c in done]
-    stats = llm.stats
     result = {"kv_cache_dtype": args.child, "dtype": str(llm.runner.dtype).removeprefix("torch."), "seconds": seconds,
-              "output_tokens": sum(map(len, out)), "tokens_per_s": sum(map(len, out)) / seconds,
+              "runs": args.repeats, "output_tokens": sum(map(len, out)), "tokens_per_s": sum(map(len, out)) / seconds,
               "kv_blocks": llm.num_total_blocks, "kv_bytes_per_block": llm.runner.bytes_per_block(),
-              "max_running": stats["max_running"], "preemptions": stats["preemptions"] - before["preemptions"],
+              "max_running": llm.stats["max_running"], "preemptions": best["preemptions"],
               "errors": sum(c.error is not None for c in done), "tokens": out}
     Path(args.result).write_text(json.dumps(result))
 
@@ -65,7 +69,7 @@ def run_pair(workload_name: str, cache: str, args: argparse.Namespace, workload:
     result = OUT / f"{stem}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", cache, "--workload", str(workload),
            "--result", str(result), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
-           "--max-num-seqs", str(args.max_num_seqs)]
+           "--max-num-seqs", str(args.max_num_seqs), "--repeats", str(args.repeats)]
     log = OUT / "logs" / f"{stem}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
@@ -102,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="default: each workload's own")
     p.add_argument("--kv-cache-memory", default="256MiB", help="the KV budget (sluice's --kv-cache-memory)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per (workload, cache); the best is reported")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--tag", default="kv8")
     p.add_argument("--child", choices=CACHES, help=argparse.SUPPRESS)

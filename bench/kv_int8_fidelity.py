@@ -1,5 +1,7 @@
 """What the int8 KV cache (``--kv-cache-dtype int8``) does to outputs: greedy tokens and GSM8K accuracy, 16-bit
-cache against int8, the same model and dtype. Accuracy, not speed: a busy machine is fine.
+cache against int8, the same model and dtype; beside it the noise floor, the 16-bit model and cache against
+float32 (``--reference-dtype``: what any 16-bit rounding already does). Accuracy, not speed: a busy machine
+is fine.
 
     python bench/kv_int8_fidelity.py                          # the default model (SmolLM2-135M-Instruct)
     python bench/kv_int8_fidelity.py --num-chat 8 --num-gsm8k 8 --tag kv8-fidelity-smoke   # a quick check
@@ -30,7 +32,6 @@ sys.path.insert(0, str(HERE))
 import workloads  # noqa: E402  (bench/workloads.py, beside this file)
 
 OUT = HERE / "out"
-CACHES = ("auto", "int8")
 SHOTS = 8
 GSM8K_STOP = "\n\nQuestion:"
 
@@ -55,13 +56,15 @@ def read_jsonl(path: Path, n: int | None = None) -> list[dict[str, Any]]:
     return rows[:n] if n is not None else rows
 
 
-def run_cache(kv_cache_dtype: str, args: argparse.Namespace, chat: list[list[int]],
+def run_cache(dtype: str, kv_cache_dtype: str, args: argparse.Namespace, chat: list[list[int]],
               gsm: list[str]) -> dict[str, Any]:
     from sluice.engine.llm import LLM
     from sluice.engine.outputs import Request
     from sluice.engine.sampling_params import SamplingParams
+    from sluice.jobs.units import parse_size
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv_cache_dtype)
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+    llm = LLM(args.model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory)
     t0 = time.perf_counter()
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     chat_out = llm.generate([Request(f"c{i}", prompt_token_ids=p, params=greedy) for i, p in enumerate(chat)])
@@ -88,28 +91,49 @@ def accuracy(texts: list[str], answers: list[str]) -> int:
     return sum(number_of(t) == number_of(a) for t, a in zip(texts, answers, strict=True))
 
 
+def chat_line(what: str, c: dict[str, int]) -> str:
+    return (f"| {what} | {c['identical_prompts']}/{c['prompts']} | {c['agreeing_prefix_tokens']}/{c['tokens']} "
+            f"({c['agreeing_prefix_tokens'] / max(c['tokens'], 1):.0%}) |")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    c, runs = report["chat"], report["runs"]
+    runs, n = report["runs"], report["gsm8k_questions"]
     lines = [f"# int8 KV cache fidelity ({report['model'] or 'SmolLM2-135M-Instruct'}, {runs[0]['dtype']})", "",
              f"Command: `{report['command']}`", "",
-             f"Chat (greedy, {report['max_tokens']} tokens, {c['prompts']} prompts): {c['identical_prompts']} "
-             f"identical; {c['agreeing_prefix_tokens']} of {c['tokens']} tokens agree before the first difference.", "",
-             "| KV cache | KV blocks | GSM8K correct |", "| --- | --- | --- |"]
+             f"Chat (greedy, {report['max_tokens']} tokens): prompts whose tokens are identical, and tokens that "
+             "agree before the first difference.", "",
+             "| compared | identical prompts | agreeing tokens |", "| --- | --- | --- |",
+             chat_line(f"int8 vs 16-bit KV ({runs[0]['dtype']} model)", report["chat"])]
+    if "noise_floor" in report:
+        lines.append(chat_line(f"{runs[0]['dtype']} vs {runs[2]['dtype']} (model and cache): the noise floor",
+                               report["noise_floor"]["chat"]))
+    lines += ["", "| model dtype | KV cache | KV blocks | GSM8K correct |", "| --- | --- | --- | --- |"]
     for r in runs:
-        lines.append(f"| {r['kv_cache_dtype']} | {r['kv_blocks']} | {r['gsm8k_correct']}/{report['gsm8k_questions']} |")
-    lines += ["", f"GSM8K answers identical between the caches: {report['gsm8k_identical']}/{report['gsm8k_questions']}"]
+        lines.append(f"| {r['dtype']} | {r['kv_cache_dtype']} | {r['kv_blocks']} | {r['gsm8k_correct']}/{n} |")
+    lines += ["", f"GSM8K answers identical, int8 vs 16-bit KV: {report['gsm8k_identical']}/{n}"]
+    if "noise_floor" in report:
+        lines.append(f"GSM8K answers identical, {runs[0]['dtype']} vs {runs[2]['dtype']}: "
+                     f"{report['noise_floor']['gsm8k_identical']}/{n}")
     return "\n".join(lines) + "\n"
+
+
+def same_answers(a: list[str], b: list[str]) -> int:
+    return sum(number_of(x) == number_of(y) for x, y in zip(a, b, strict=True))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--reference-dtype", default="float32",
+                   help="the noise floor's model and cache dtype, against --dtype with a 16-bit cache; 'none': skip it")
     p.add_argument("--num-chat", type=int, default=80, help="chat prompts (the prompt sets cycled)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-gsm8k", type=int, default=200)
     p.add_argument("--gsm8k-max-tokens", type=int, default=256)
     p.add_argument("--gsm8k-dir", type=Path, default=Path("/tmp/gsm8k"), help="test.jsonl and train.jsonl")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="each run's KV budget (sluice's --kv-cache-memory); '': the engine's own sizing")
     p.add_argument("--tag", default="kv8-fidelity")
     return p.parse_args(argv)
 
@@ -123,17 +147,21 @@ def main(argv: list[str] | None = None) -> None:
     train = read_jsonl(args.gsm8k_dir / "train.jsonl", SHOTS)
     test = read_jsonl(args.gsm8k_dir / "test.jsonl", args.num_gsm8k)
     prompts = [few_shot_prompt(train, r["question"]) for r in test]
-    runs = [run_cache(c, args, chat, prompts) for c in CACHES]
+    pairs = [(args.dtype, "auto"), (args.dtype, "int8")]
+    if args.reference_dtype != "none":
+        pairs.append((args.reference_dtype, "auto"))
+    runs = [run_cache(dtype, cache, args, chat, prompts) for dtype, cache in pairs]
     answers = [r["answer"] for r in test]
     for r in runs:
         r["gsm8k_correct"] = accuracy(r["gsm8k_texts"], answers)
-        print(f"{r['kv_cache_dtype']}: {r['kv_blocks']} KV blocks, GSM8K {r['gsm8k_correct']}/{len(test)}, "
+        print(f"{r['dtype']} {r['kv_cache_dtype']}: {r['kv_blocks']} KV blocks, GSM8K {r['gsm8k_correct']}/{len(test)}, "
               f"{r['seconds']:.0f}s", flush=True)
     report = {"model": args.model, "command": " ".join(["python", *sys.argv]), "max_tokens": args.max_tokens,
               "chat": compare(runs[0]["chat_tokens"], runs[1]["chat_tokens"]), "gsm8k_questions": len(test),
-              "gsm8k_identical": sum(number_of(a) == number_of(b)
-                                     for a, b in zip(runs[0]["gsm8k_texts"], runs[1]["gsm8k_texts"], strict=True)),
-              "runs": runs}
+              "gsm8k_identical": same_answers(runs[0]["gsm8k_texts"], runs[1]["gsm8k_texts"]), "runs": runs}
+    if len(runs) > 2:
+        report["noise_floor"] = {"chat": compare(runs[2]["chat_tokens"], runs[0]["chat_tokens"]),
+                                 "gsm8k_identical": same_answers(runs[2]["gsm8k_texts"], runs[0]["gsm8k_texts"])}
     OUT.mkdir(exist_ok=True)
     (OUT / f"{args.tag}.json").write_text(json.dumps(report))
     (OUT / f"{args.tag}.md").write_text(markdown(report))
