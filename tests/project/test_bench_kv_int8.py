@@ -10,7 +10,7 @@ from typing import Any
 
 from helpers import fresh_seed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_kv_int8_fidelity", ROOT / "bench" / "kv_int8_fidelity.py")
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
