@@ -72,8 +72,9 @@ BLOCK = 256
 
 def _on(device: torch.device, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
     """A small host list as a tensor on ``device``: on CUDA through pinned memory, queued without waiting
-    (a copy from pageable memory holds the host until the stream reaches it)."""
-    t = torch.tensor(values, dtype=dtype)
+    (a copy from pageable memory holds the host until the stream reaches it). Made on the CPU whatever
+    the caller's default device (``with torch.device("cuda")``), since only a host tensor pins."""
+    t = torch.tensor(values, dtype=dtype, device="cpu")
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
