@@ -36,7 +36,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from sluice.engine.attention import AttentionBackend, AttentionMetadata, LayerKVSpec
-from sluice.engine.config import EngineConfig
+from sluice.engine.config import EngineConfig, from_json
 from sluice.engine.parallel import state
 from sluice.engine.parallel.state import ParallelState
 from torch import nn
@@ -269,7 +269,7 @@ def rank_main(rank: int, spec: RankSpec) -> None:
     from sluice.engine.parallel.build import build_shard
 
     _exit_with_parent(spec.parent_pid)
-    config = EngineConfig(**spec.config)
+    config = from_json(spec.config)
     device = state.rank_device(torch.device(spec.device), rank)
     dtype = getattr(torch, spec.dtype)
     if spec.num_threads:
