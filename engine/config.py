@@ -207,8 +207,9 @@ def from_json(values: dict[str, Any]) -> EngineConfig:
     """An EngineConfig from its ``asdict`` after a JSON round trip (a tensor-parallel rank's arguments):
     the tuples JSON made lists are tuples again."""
     hints = typing.get_type_hints(EngineConfig)
-    return EngineConfig(**{k: tuple(v) if isinstance(v, list) and _fits((), hints[k]) else v
-                           for k, v in values.items()})
+    plain: dict[str, Any] = {k: tuple(v) if isinstance(v, list) and _fits((), hints[k]) else v
+                             for k, v in values.items()}
+    return EngineConfig(**plain)
 
 
 def _check_types(config: EngineConfig) -> None:
