@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from cli_api_helpers import serving
+from cli_api_helpers import served_client
 from helpers import fresh_seed
 from jobs_helpers import assert_exactly_once, held_by, prompt_lines, result_entries, wait_for, worker_process
 from reliability_helpers import final
@@ -27,8 +27,7 @@ KEY = "sk-sluice-test"
 
 @pytest.fixture
 def api(r: redis.Redis, tmp_path: Path) -> Iterator[httpx.Client]:
-    with serving(tmp_path / "serve.log", KEY, SLUICE_FILES_DIR=str(tmp_path / "files")) as url, \
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+    with served_client(tmp_path, KEY) as http:
         yield http
 
 

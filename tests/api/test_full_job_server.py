@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cli_api_helpers import WORDS, serving
+from cli_api_helpers import WORDS, served_client
 from helpers import fresh_seed
 from sluice.jobs import keys
 
@@ -26,8 +26,7 @@ KEY = "sk-sluice-test"
 @pytest.fixture
 def api(r: redis.Redis, tmp_path: Path) -> Iterator[httpx.Client]:
     """A real ``sluice serve`` on the test's embedded server (no worker: nothing here needs one)."""
-    with serving(tmp_path / "serve.log", KEY, SLUICE_FILES_DIR=str(tmp_path / "files")) as url, \
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+    with served_client(tmp_path, KEY) as http:
         yield http
 
 

@@ -134,6 +134,16 @@ def serving(log: Path, key: str | None = None, **env: str) -> Iterator[str]:
         assert stop(proc) == 0, log.read_text()[-3000:]
 
 
+@contextmanager
+def served_client(tmp_path: Path, key: str) -> Iterator[Any]:
+    """An httpx client holding ``key``, on a real ``sluice serve`` whose uploads go under ``tmp_path``."""
+    import httpx
+
+    with serving(tmp_path / "serve.log", key, SLUICE_FILES_DIR=str(tmp_path / "files")) as url, \
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        yield http
+
+
 def wait_final(get: Any, timeout: float = 120) -> Any:
     """Poll ``get()`` (a batch in OpenAI's shape, as a dict or an SDK object) until it is final."""
     final = {"completed", "failed", "cancelled", "expired"}
