@@ -43,9 +43,10 @@ def test_int4_on_cpu_is_a_one_line_user_error(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_models_say_the_quantization_each_queue_runs(r: redis.Redis, tmp_path: Path) -> None:
-    beat(r, "w1", json.dumps({"queue": "big", "serves": "generation", "quantization": "int8"}), 60_000)
-    beat(r, "w2", json.dumps({"queue": "big", "serves": "generation", "quantization": "none"}), 60_000)
-    beat(r, "w3", json.dumps({"queue": "old", "serves": "generation"}), 60_000)  # a worker from before the field
+    # Heartbeats as workers write them (jobs/schemas.WorkerHeartbeat); w3's is from before the field.
+    beat(r, "w1", json.dumps({"id": "w1", "queue": "big", "serves": "generation", "quantization": "int8"}), 60_000)
+    beat(r, "w2", json.dumps({"id": "w2", "queue": "big", "serves": "generation", "quantization": "none"}), 60_000)
+    beat(r, "w3", json.dumps({"id": "w3", "queue": "old", "serves": "generation"}), 60_000)
     app = create_app(Settings(api_key=None, files_dir=tmp_path / "files"))
     models = TestClient(app).get("/v1/models").json()["data"]
     assert {m["id"]: m["quantization"] for m in models} == {"big": ["int8", "none"], "old": ["none"]}

@@ -25,13 +25,21 @@ def _requests(rng: random.Random, n: int, priority: int = 0, prefix: str = "b") 
                     params=SamplingParams(max_tokens=LONG, ignore_eos=True), priority=priority) for i in range(n)]
 
 
+def _full(llm: Any, urgent: Request) -> bool:
+    """Whether ``urgent`` can start only by preempting: every sequence slot taken, or fewer free KV blocks
+    than its prompt needs (a cache with a block to spare would take a short prompt at once)."""
+    need = -(-(len(urgent.prompt_token_ids or []) + 1) // llm.block_manager.block_size)
+    return llm.num_running >= llm.config.max_num_seqs or llm.num_free_blocks < need
+
+
 def _run(llm: Any, batch: list[Request], urgent: Request) -> tuple[dict[str, list[int]], int]:
     """The batch fills the engine, then ``urgent`` arrives: every output, and the steps ``urgent`` waited
     for its first token."""
     for req in batch:
         llm.add_request(req)
     out: dict[str, list[int]] = {}
-    while llm.num_waiting:  # the engine is full: everything it can run is running
+    while llm.num_waiting or not _full(llm, urgent):  # everything it can run is running, nothing to spare
+        assert llm.num_running or llm.num_waiting, "the batch ended before the engine was full"
         out |= {c.request_id: c.outputs[0].token_ids for c in llm.step()}
     llm.add_request(urgent)
     waited = 0
