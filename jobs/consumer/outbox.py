@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -45,6 +46,7 @@ SERVER_STATE = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyErro
 SERVER_STATE_CODES = frozenset({"OOM", "READONLY", "NOSCRIPT", "LOADING", "BUSY", "MISCONF", "NOREPLICAS",
                                 "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "NOPERM", "NOAUTH"})
 CHUNK = 256  # outcomes per pipeline round trip
+PROBE_PAUSE = 0.2  # seconds between the two PINGs that tell a dropped write from an outage
 
 __all__ = ["CHUNK", "REDIS_DOWN", "SERVER_STATE", "Outcome", "Refused", "WriteHeld", "Writer", "Written"]
 
@@ -161,12 +163,19 @@ def _write(scripts: Scripts, r: redis.Redis, chunk: list[Outcome], now: float) -
 
 def _answers(r: redis.Redis, batch_id: str) -> bool:
     """Whether the server of ``batch_id``'s keys answers a PING (on a fresh connection: a dropped one is
-    not reused); on a cluster, the node that holds them."""
-    try:
-        node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
-        return bool(node.ping())
-    except (*REDIS_DOWN, redis.RedisError):
-        return False
+    not reused); on a cluster, the node that holds them. Asked twice, PROBE_PAUSE apart: one PING that
+    fails just after a dropped write is not yet an outage (a loaded machine, a server busy freeing the
+    client), and taking it for one holds every result behind a reconnect."""
+    for attempt in range(2):
+        try:
+            node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
+            return bool(node.ping())
+        except (*REDIS_DOWN, redis.RedisError) as e:
+            log.warning("PING after a dropped write failed (%s: %s)%s", type(e).__name__, e,
+                        ", asking again" if attempt == 0 else "")
+            if attempt == 0:
+                time.sleep(PROBE_PAUSE)
+    return False
 
 
 def _retire(r: redis.Redis, batch_id: str, now: float) -> None:

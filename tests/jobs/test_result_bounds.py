@@ -118,6 +118,41 @@ def test_a_write_the_server_drops_fails_that_job_alone(r: redis.Redis) -> None:
     assert all((entries[i]["status"], entries[i]["text"]) == ("completed", f"text {i}") for i in range(n) if i not in bigs)
 
 
+def test_one_failed_ping_after_a_dropped_write_is_not_an_outage(r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PING that tells a dropped write from an outage fails once (as one did on a loaded CI machine):
+    the writer asks again and fails that job alone instead of holding every result as if the server were
+    down. A server that fails both PINGs is down: the outcome stays held."""
+    bid, ds = _held_jobs(r, [json.dumps({"prompt": f"p{i}"}) for i in range(2)])
+    pings = []
+
+    def flaky_ping(fail: int) -> Any:
+        def ping(**kw: Any) -> bool:
+            pings.append(1)
+            if len(pings) <= fail:
+                raise redis.ConnectionError("injected: PING failed")
+            return bool(redis.Redis.ping(r, **kw))
+        return ping
+
+    w = Writer()
+    w.add(_outcome(ds[0], "x" * (2 << 20)))
+    r.config_set("proto-max-bulk-len", SMALL_BULK)
+    try:
+        monkeypatch.setattr(r, "ping", flaky_ping(fail=2))  # down: both PINGs fail
+        with pytest.raises(redis.ConnectionError):
+            w.flush(r, Scripts(r), time.time())
+        assert len(w) == 1 and r.hlen(keys.done(bid)) == 0
+        pings.clear()
+        monkeypatch.setattr(r, "ping", flaky_ping(fail=1))
+        w.add(_outcome(ds[1], "small"))
+        w.flush(r, Scripts(r), time.time())
+    finally:
+        r.config_set("proto-max-bulk-len", 512 << 20)
+    assert len(w) == 0 and pending(r, bid) == 0
+    entries = _by_idx(r, bid, 2)
+    assert entries[0]["status"] == "failed" and entries[0]["error"]["code"] == "result_refused"
+    assert (entries[1]["status"], entries[1]["text"]) == ("completed", "small")
+
+
 def test_an_error_reply_for_one_write_fails_that_job_alone_and_full_holds_all(r: redis.Redis) -> None:
     """An error reply that is about this write (WRONGTYPE: the dead-letter stream of a batch is a string)
     is not retried: the job keeps one outcome, the rest are written. A full server (OOM) refuses every
