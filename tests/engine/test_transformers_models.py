@@ -41,7 +41,9 @@ NUM_BLOCKS = 6  # of 16 tokens, for 6 sequences of 56-66 tokens sharing 2 blocks
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **cfg: Any) -> tuple[Path, Any]:
     path = make_tiny_model(tmp_path_factory.mktemp(name) / "m", seed=1, **cfg)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # eager: the reference that applies every model's soft-capping in every transformers version (5.17 ran
+    # Gemma 2 on SDPA, which skips it; the GPU image has 5.17)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _kv_bytes(config: Any, num_blocks: int) -> int:
