@@ -4,6 +4,8 @@ Lines are read as the engine has room for them (worker/runner.py) and each resul
 flushed the moment its request finishes, so memory holds a window of lines, and an interrupted run keeps
 what finished; ``resume`` skips custom_ids already in the output or errors file. Completed requests go
 to the output; failed ones, and bad lines (naming their line number), to the errors file; the rest runs.
+A run that completes puts both files back in input order (worker/line_order.py); stdout stays in finish
+order.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import Job, Result, SamplingParams
 from sluice.worker import runner
+from sluice.worker.line_order import sort_by_input
 
 
 @dataclass
@@ -41,8 +44,9 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
                   progress: bool = True, llm: LLM | EmbeddingEngine | None = None,
                   plan: bool = True) -> GenerateSummary:
     """``plan``: the engine takes the lines grouped by shared prompt prefix (jobs/prefix_plan.py), not in
-    file order; each result line is written as it finishes either way."""
+    file order; each result is written as it finishes, and a completed run's files are put back in input order."""
     summary = GenerateSummary()
+    rank: dict[str, int] = {}  # custom_id -> its line in the input: the order results are put back in
     done = values_in(output_path, "custom_id") | values_in(errors_path, "custom_id") if resume else set()
     combined = errors_path == output_path  # one stream for both (stdout): failures in line with results
     if not resume:
@@ -52,7 +56,7 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
     # Undecodable bytes kept as escapes: that line fails as not UTF-8, the rest runs.
     with output_path.open("a") as out, (nullcontext(out) if combined else _LazyFile(errors_path)) as err, \
             input_path.open(encoding="utf-8", errors="surrogateescape") as src:
-        jobs = _read_jobs(src, defaults, done, err, summary)
+        jobs = _read_jobs(src, defaults, done, err, summary, rank)
         if plan:
             jobs = prefix_plan.planned(jobs)
         # The engine is sized by the first jobs (a short file: a small KV cache), read ahead only that far.
@@ -70,6 +74,8 @@ def generate_file(input_path: Path, output_path: Path, errors_path: Path, *, mod
                 summary.failed += 1
 
         runner.run(engine, itertools.chain(head, jobs), write, progress=progress)
+    for path in {output_path, errors_path}:  # closed now; stdout (a character device) is left as written
+        sort_by_input(path, rank)
     return summary
 
 
@@ -85,7 +91,7 @@ def _head(jobs: Iterator[Job], sequences: int) -> list[Job]:
 
 
 def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[str], out: Any,
-               summary: GenerateSummary) -> Iterator[Job]:
+               summary: GenerateSummary, rank: dict[str, int]) -> Iterator[Job]:
     seen: set[str] = set()
     for line_no, text in enumerate(lines, start=1):
         if not text.strip():
@@ -96,6 +102,7 @@ def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[
                 raise LineError(line_no, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
         except LineError as e:
             key = _custom_id_of(text) or f"line-{line_no}"
+            rank.setdefault(key, line_no)
             if key in done:
                 continue
             summary.bad_lines += 1
@@ -103,6 +110,7 @@ def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[
                               "error": {"code": e.code, "message": str(e), "line": line_no}})
             continue
         seen.add(job.custom_id)
+        rank[job.custom_id] = line_no
         job.id = job.custom_id  # no batch here: the custom_id names the request and its result
         if job.custom_id in done:
             summary.skipped += 1

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import fresh_seed
 from sluice.cli.main import EXIT_SOME_FAILED, cli
 from sluice.engine.config import EngineConfig
 
@@ -59,6 +61,39 @@ def test_generate_writes_results_and_error_lines_then_resume_redoes_nothing(tiny
     assert res.exit_code == 0, res.output
     assert "0 completed, 0 failed, 0 bad lines, 6 skipped" in res.output
     assert (out.read_text(), (tmp_path / "out.errors.jsonl").read_text()) == before
+
+
+@pytest.mark.parametrize("order", ["planned", "arrival"])
+def test_results_come_back_in_input_order(tiny_model_dir: Path, tmp_path: Path, order: str) -> None:
+    """Shuffled lines of two shared prefixes and lengths that make later lines finish first: the engine
+    takes them grouped (planned) or as they come, finish order differs from the input's either way, and
+    the output and errors files list them in input order once the run is complete."""
+    rng = random.Random(seed := fresh_seed())
+    prefixes = ["You are a careful assistant. Answer in one word. " * 4, "Translate into French, please: " * 4]
+    lines = [json.dumps({"custom_id": f"r{i}", "prompt": rng.choice(prefixes) + f"item {i}",
+                         "max_tokens": 2 + (11 - i) % 12, "ignore_eos": True}) for i in range(12)]
+    lines.insert(5, '{"custom_id": "bad1", "prompt": "x", "temperature": -1}')
+    lines.insert(9, '{"custom_id": "bad2", "prompt": "x", "guided_regex": "(unclosed"}')
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    res = CliRunner().invoke(cli, ["generate", str(src), "-o", str(out), "--model", str(tiny_model_dir),
+                                   "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-progress",
+                                   *(["--arrival-order"] if order == "arrival" else [])])
+    assert res.exit_code == EXIT_SOME_FAILED, res.output
+    ids = [json.loads(x)["custom_id"] for x in lines]
+    got = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
+    errors = [json.loads(x)["custom_id"] for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert got == [i for i in ids if i.startswith("r")], seed
+    assert errors == ["bad1", "bad2"], seed
+
+
+def test_sort_by_input_keeps_unranked_lines_after_and_mends_a_cut_last_line(tmp_path: Path) -> None:
+    from sluice.worker.line_order import sort_by_input
+
+    f = tmp_path / "out.jsonl"
+    f.write_text('{"custom_id": "c"}\nnot json\n{"custom_id": "a"}\n{"custom_id": "b"}')
+    sort_by_input(f, {"a": 1, "b": 2, "c": 3})
+    assert f.read_text() == '{"custom_id": "a"}\n{"custom_id": "b"}\n{"custom_id": "c"}\nnot json\n'
 
 
 def test_resume_after_an_interrupted_run_finishes_only_the_rest(tiny_model_dir: Path, tmp_path: Path) -> None:
