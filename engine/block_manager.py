@@ -79,11 +79,12 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        """Enough free blocks for ``seq``'s first chunk, counting cached hits that sit in the free list."""
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int, reserve: int = 0) -> bool:
+        """Enough free blocks for ``seq``'s first chunk, counting cached hits that sit in the free list,
+        with ``reserve`` blocks left over (for others that take theirs first)."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        return needed + revived <= self.num_free_blocks
+        return needed + revived + reserve <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Give ``seq`` its cached prefix blocks; their tokens count as computed."""

@@ -218,7 +218,10 @@ class Scheduler:
                 return
             hits = bm.match_prefix(head)
             first_chunk = min(head.num_tokens - len(hits) * bm.block_size, self.config.max_num_batched_tokens)
-            if len(self.running) < self.config.max_num_seqs and bm.can_admit(head, hits, first_chunk):
+            # Running sequences take their blocks for this step first: room that leaves them out goes to
+            # their growth, and the urgent sequence waits another step (or several).
+            growth = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in self.running)
+            if len(self.running) < self.config.max_num_seqs and bm.can_admit(head, hits, first_chunk, reserve=growth):
                 return
             victim = min(lower, key=lambda s: (s.priority, -s.seq_id))
             self.running.remove(victim)

@@ -6,9 +6,10 @@ Outcomes wait in an in-memory outbox until written, in completion order. What a 
   with backoff by the session (``REDIS_DOWN`` is raised);
 - the server refuses every write for now (full under maxmemory, READONLY after a failover, loading, ...:
   ``SERVER_STATE``): those outcomes stay held and are retried with backoff (``WriteHeld``), the rest written;
-- the server refuses this write (any other error reply, or it drops the connection on this write alone
-  while it still answers PING, as it does past proto-max-bulk-len): the job gets a small failed outcome
-  (``result_refused``) in its place, so one result the server cannot take never blocks the others;
+- the server refuses this write (any other error reply, or it drops the connection on this write alone,
+  twice, while it still answers PING, as it does past proto-max-bulk-len; once may be a restart): the job
+  gets a small failed outcome (``result_refused``) in its place, so one result the server cannot take
+  never blocks the others;
 - the batch is gone: the outcome is dropped.
 
 A retried write is harmless: the script does nothing but the XACK for a job that already has its outcome.
@@ -20,9 +21,10 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 from sluice.jobs import keys
@@ -34,6 +36,7 @@ from sluice.jobs.scripts import Scripts
 from sluice.jobs.store import retire_batch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # BusyLoadingError is a ConnectionError. On a cluster: no node serves the slot (yet), or the cluster is down.
 # RedisClusterException: no node could be reached to learn the cluster's layout.
@@ -76,6 +79,7 @@ class Writer:
     def __init__(self) -> None:
         self.outbox: deque[Outcome] = deque()
         self._lock = threading.Lock()  # a deque must not change while a chunk is copied out of it
+        self._dropped_once: tuple[str, int] | None = None  # the outcome whose write was dropped once
 
     def add(self, outcome: Outcome) -> None:
         with self._lock:
@@ -115,7 +119,7 @@ class Writer:
         next: the server dropped the connection on one of them while it still answers."""
         replies = _write(scripts, r, chunk, now)
         cut = next((i for i, x in enumerate(replies) if isinstance(x, REDIS_DOWN)), len(chunk))
-        written.extend(self._settle(r, chunk[:cut], replies[:cut], now, kept))
+        self._settle(r, chunk[:cut], replies[:cut], now, written, kept)
         if cut == len(chunk):
             return 0
         dropped = cast(Exception, replies[cut])
@@ -123,18 +127,35 @@ class Writer:
             raise dropped  # down: this outcome and the ones after it stay held
         if len(chunk) - cut > 1:
             return len(chunk) - cut
-        why = Refused(f"it dropped the connection on this write ({dropped}) while answering PING")
-        written.extend(self._settle(r, chunk[cut:], [why], now, kept))
+        o = chunk[cut]
+        if self._dropped_once != (o.batch_id, o.idx):
+            # Dropped once may be the server restarting under the write (it answers the PING a moment
+            # later): write it alone again. Dropped again while the server answers: it is this write.
+            self._dropped_once = (o.batch_id, o.idx)
+            return 1
+        self._dropped_once = None
+        why = Refused(f"it dropped the connection on this write twice ({dropped}) while answering PING")
+        self._settle(r, chunk[cut:], [why], now, written, kept)
         return 0
 
     def _settle(self, r: redis.Redis, chunk: list[Outcome], replies: list[object], now: float,
-                kept: list[tuple[Outcome, Exception]]) -> list[Written]:
-        out, instead = [], []
-        for o, reply in zip(chunk, replies, strict=True):
-            with self._lock:
-                self.outbox.popleft()
-            if isinstance(reply, Exception):
-                if not batch_exists(r, o.batch_id):  # deleted meanwhile: nothing left to write it to
+                written: list[Written], kept: list[tuple[Outcome, Exception]]) -> None:
+        """Take ``chunk`` off the outbox's head by its replies: written, kept to retry, dropped (batch
+        gone) or replaced by a failed outcome. A round trip that fails here (REDIS_DOWN) leaves the
+        outcome not yet settled in the outbox, and the stand-ins made so far go in at its head."""
+        instead: list[Outcome] = []
+        try:
+            for o, reply in zip(chunk, replies, strict=True):
+                # Asked before the pop: if this round trip fails, ``o`` is still held (CI lost one here).
+                gone = isinstance(reply, Exception) and not _asked_twice(batch_exists, r, o.batch_id)
+                with self._lock:
+                    self.outbox.popleft()
+                if not isinstance(reply, Exception):
+                    fresh, final = cast(list[Any], reply)
+                    written.append(Written(o, bool(fresh)))
+                    if final:
+                        _retire(r, o.batch_id, now)
+                elif gone:  # deleted meanwhile: nothing left to write it to
                     log.warning("dropping the outcome of %s:%s, its batch is gone: %s", o.batch_id, o.idx, reply)
                 elif server_state(reply) or o.stands_in:
                     kept.append((o, reply))
@@ -142,15 +163,10 @@ class Writer:
                     log.error("the job server refused the outcome of %s:%s (%d bytes); failing the job: %s",
                               o.batch_id, o.idx, len(o.result_json), reply)
                     instead.append(refused(o, f"{type(reply).__name__}: {reply}"))
-                continue
-            fresh, final = cast(list[Any], reply)
-            out.append(Written(o, bool(fresh)))
-            if final:
-                _retire(r, o.batch_id, now)
-        if instead:  # written next, in this flush
-            with self._lock:
-                self.outbox.extendleft(reversed(instead))
-        return out
+        finally:
+            if instead:  # written next, in this flush (or the next one)
+                with self._lock:
+                    self.outbox.extendleft(reversed(instead))
 
 
 def _write(scripts: Scripts, r: redis.Redis, chunk: list[Outcome], now: float) -> list[object]:
@@ -163,19 +179,24 @@ def _write(scripts: Scripts, r: redis.Redis, chunk: list[Outcome], now: float) -
 
 def _answers(r: redis.Redis, batch_id: str) -> bool:
     """Whether the server of ``batch_id``'s keys answers a PING (on a fresh connection: a dropped one is
-    not reused); on a cluster, the node that holds them. Asked twice, PROBE_PAUSE apart: one PING that
-    fails just after a dropped write is not yet an outage (a loaded machine, a server busy freeing the
-    client), and taking it for one holds every result behind a reconnect."""
-    for attempt in range(2):
-        try:
-            node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
-            return bool(node.ping())
-        except (*REDIS_DOWN, redis.RedisError) as e:
-            log.warning("PING after a dropped write failed (%s: %s)%s", type(e).__name__, e,
-                        ", asking again" if attempt == 0 else "")
-            if attempt == 0:
-                time.sleep(PROBE_PAUSE)
-    return False
+    not reused); on a cluster, the node that holds them."""
+    try:
+        node = r.get_redis_connection(r.get_node_from_key(keys.meta(batch_id))) if is_cluster(r) else r
+        return bool(_asked_twice(node.ping))
+    except (*REDIS_DOWN, redis.RedisError):
+        return False
+
+
+def _asked_twice(fn: Callable[..., T], *args: Any) -> T:
+    """A round trip made just after the server dropped a write, asked again PROBE_PAUSE later if it fails:
+    one failure then is not yet an outage (a pooled connection the server was closing, a loaded machine),
+    and taking it for one holds every result behind a reconnect. A second failure is raised."""
+    try:
+        return fn(*args)
+    except REDIS_DOWN as e:
+        log.warning("a round trip after a dropped write failed (%s: %s); asking again", type(e).__name__, e)
+        time.sleep(PROBE_PAUSE)
+        return fn(*args)
 
 
 def _retire(r: redis.Redis, batch_id: str, now: float) -> None:

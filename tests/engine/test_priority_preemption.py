@@ -20,8 +20,9 @@ pytest_plugins = ["jobs_fixtures"]
 LONG = 48  # tokens each batch request generates
 
 
-def _requests(rng: random.Random, n: int, priority: int = 0, prefix: str = "b") -> list[Request]:
-    return [Request(f"{prefix}{i}", prompt_token_ids=[rng.randrange(1, 500) for _ in range(rng.randint(20, 40))],
+def _requests(rng: random.Random, n: int, priority: int = 0, prefix: str = "b",
+              length: tuple[int, int] = (20, 40)) -> list[Request]:
+    return [Request(f"{prefix}{i}", prompt_token_ids=[rng.randrange(1, 500) for _ in range(rng.randint(*length))],
                     params=SamplingParams(max_tokens=LONG, ignore_eos=True), priority=priority) for i in range(n)]
 
 
@@ -57,7 +58,8 @@ def test_an_urgent_request_preempts_batch_sequences_and_all_outputs_stay_the_sam
                                                                                   full: str) -> None:
     seed = fresh_seed()
     rng = random.Random(seed)
-    batch, urgent_req = _requests(rng, 12), _requests(rng, 1, prefix="u")[0]
+    # The urgent prompt needs three KV blocks of 32: a cache down to its last block or two cannot take it.
+    batch, urgent_req = _requests(rng, 12), _requests(rng, 1, prefix="u", length=(70, 90))[0]
     alone = tiny(tiny_model_dir, max_num_seqs=16, kv_cache_memory=8 << 20)
     want = {c.request_id: c.outputs[0].token_ids for c in alone.generate([*batch, urgent_req])}
     waits = {}

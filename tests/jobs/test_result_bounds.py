@@ -153,6 +153,69 @@ def test_one_failed_ping_after_a_dropped_write_is_not_an_outage(r: redis.Redis, 
     assert (entries[1]["status"], entries[1]["text"]) == ("completed", "small")
 
 
+def test_a_write_dropped_once_is_written_again_not_failed(r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection dropped under one ordinary write while the server answers PING (a server restarted
+    under the write, as chaos.py's kill -9 of Valkey does) is written again, not failed as refused: that
+    takes the same write dropped twice."""
+    from sluice.jobs import pipes
+
+    bid, ds = _held_jobs(r, [json.dumps({"prompt": f"p{i}"}) for i in range(3)])
+    real, drops = pipes.NodePipes.execute, []
+
+    def drop_once(self: pipes.NodePipes) -> list[Any]:
+        if len(drops) < 2:  # the chunk's round trip, then the first outcome's alone: neither reaches the server
+            drops.append(len(self))
+            return [redis.ConnectionError("injected: Connection reset by peer")] * len(self)
+        return real(self)
+
+    monkeypatch.setattr(pipes.NodePipes, "execute", drop_once)
+    w = Writer()
+    for d in ds:
+        w.add(_outcome(d, f"text {d.job.idx}"))
+    w.flush(r, Scripts(r), time.time())
+    assert drops == [3, 1] and len(w) == 0 and pending(r, bid) == 0
+    entries = _by_idx(r, bid, 3)
+    assert all((entries[i]["status"], entries[i]["text"]) == ("completed", f"text {i}") for i in range(3))
+
+
+def test_an_outcome_stays_held_when_the_round_trips_after_its_refused_write_fail(
+        r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server drops a 2 MiB write, PING answers, then the next round trip (does its batch still
+    exist?) fails. Once: it is asked again and the job fails alone (result_refused), no outage. Twice: the
+    server is taken for down and the outcome is still in the outbox, not lost from it (on CI it was, and
+    the job ran a second time once the worker reclaimed it); the next flush fails it alone."""
+    bid, ds = _held_jobs(r, [json.dumps({"prompt": f"p{i}"}) for i in range(2)])
+    calls = []
+
+    def exists_fails(times: int) -> Any:
+        def exists(*names: str) -> int:
+            calls.append(names)
+            if len(calls) <= times:
+                raise redis.ConnectionError("injected: Connection reset by peer")
+            return int(redis.Redis.exists(r, *names))
+        return exists
+
+    w = Writer()
+    r.config_set("proto-max-bulk-len", SMALL_BULK)
+    try:
+        monkeypatch.setattr(r, "exists", exists_fails(1))
+        w.add(_outcome(ds[0], "x" * (2 << 20)))
+        w.flush(r, Scripts(r), time.time())
+        assert len(w) == 0
+        calls.clear()
+        monkeypatch.setattr(r, "exists", exists_fails(2))
+        w.add(_outcome(ds[1], "x" * (2 << 20)))
+        with pytest.raises(redis.ConnectionError, match="injected"):
+            w.flush(r, Scripts(r), time.time())
+        assert len(w) == 1 and w.entry_ids() == {ds[1].entry_id}
+        w.flush(r, Scripts(r), time.time())
+    finally:
+        r.config_set("proto-max-bulk-len", 512 << 20)
+    assert len(w) == 0 and pending(r, bid) == 0
+    entries = _by_idx(r, bid, 2)
+    assert all(entries[i]["status"] == "failed" and entries[i]["error"]["code"] == "result_refused" for i in (0, 1))
+
+
 def test_an_error_reply_for_one_write_fails_that_job_alone_and_full_holds_all(r: redis.Redis) -> None:
     """An error reply that is about this write (WRONGTYPE: the dead-letter stream of a batch is a string)
     is not retried: the job keeps one outcome, the rest are written. A full server (OOM) refuses every
