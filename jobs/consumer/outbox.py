@@ -49,7 +49,7 @@ SERVER_STATE = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyErro
 SERVER_STATE_CODES = frozenset({"OOM", "READONLY", "NOSCRIPT", "LOADING", "BUSY", "MISCONF", "NOREPLICAS",
                                 "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "NOPERM", "NOAUTH"})
 CHUNK = 256  # outcomes per pipeline round trip
-PROBE_PAUSE = 0.2  # seconds between the two PINGs that tell a dropped write from an outage
+PROBE_PAUSE = 0.2  # seconds between the two tries of a round trip made just after a refused write
 
 __all__ = ["CHUNK", "REDIS_DOWN", "SERVER_STATE", "Outcome", "Refused", "WriteHeld", "Writer", "Written"]
 
@@ -188,13 +188,14 @@ def _answers(r: redis.Redis, batch_id: str) -> bool:
 
 
 def _asked_twice(fn: Callable[..., T], *args: Any) -> T:
-    """A round trip made just after the server dropped a write, asked again PROBE_PAUSE later if it fails:
+    """A round trip made just after the server refused or dropped a write (the PING that tells a dropped
+    write from an outage, the check that the batch still exists), asked again PROBE_PAUSE later if it fails:
     one failure then is not yet an outage (a pooled connection the server was closing, a loaded machine),
     and taking it for one holds every result behind a reconnect. A second failure is raised."""
     try:
         return fn(*args)
     except REDIS_DOWN as e:
-        log.warning("a round trip after a dropped write failed (%s: %s); asking again", type(e).__name__, e)
+        log.warning("a round trip after a refused write failed (%s: %s); asking again", type(e).__name__, e)
         time.sleep(PROBE_PAUSE)
         return fn(*args)
 
