@@ -27,7 +27,7 @@ from sluice.jobs.lines import LineError, parse_line
 from sluice.jobs.openai_output import result_to_output_line
 from sluice.jobs.schemas import Job, Result, SamplingParams
 from sluice.worker import runner
-from sluice.worker.line_order import sort_by_input
+from sluice.worker.line_order import custom_id_of, sort_by_input
 
 
 @dataclass
@@ -101,7 +101,7 @@ def _read_jobs(lines: Iterable[str], defaults: SamplingParams | None, done: set[
             if job.custom_id in seen:
                 raise LineError(line_no, "duplicate_custom_id", f"custom_id {job.custom_id!r} appears twice")
         except LineError as e:
-            key = _custom_id_of(text) or f"line-{line_no}"
+            key = custom_id_of(text) or f"line-{line_no}"
             rank.setdefault(key, line_no)
             if key in done:
                 continue
@@ -140,14 +140,6 @@ class _LazyFile:
     def __exit__(self, *exc: object) -> None:
         if self.f is not None:
             self.f.close()
-
-
-def _custom_id_of(text: str) -> str | None:
-    try:
-        v = json.loads(text).get("custom_id")
-    except (ValueError, AttributeError):
-        return None
-    return v if isinstance(v, str) and v else None
 
 
 def _write_line(out: Any, obj: dict[str, Any]) -> None:

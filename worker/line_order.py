@@ -24,7 +24,7 @@ def sort_by_input(path: Path, rank: dict[str, int]) -> None:
     offset = 0
     with path.open("rb") as f:
         for line in f:
-            index.append((rank.get(_custom_id(line), unranked), offset, len(line)))
+            index.append((rank.get(custom_id_of(line) or "", unranked), offset, len(line)))
             offset += len(line)
     if all(a[0] <= b[0] for a, b in zip(index, index[1:], strict=False)):
         return  # already in order
@@ -40,9 +40,10 @@ def sort_by_input(path: Path, rank: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
-def _custom_id(line: bytes) -> str:
+def custom_id_of(line: str | bytes) -> str | None:
+    """A JSONL line's custom_id, or None (not JSON, not an object, none or not a string)."""
     try:
         v = json.loads(line).get("custom_id")
     except (ValueError, AttributeError):
-        return ""
-    return v if isinstance(v, str) else ""
+        return None
+    return v if isinstance(v, str) and v else None

@@ -93,6 +93,18 @@ def _by_idx(r: redis.Redis, batch_id: str, n: int) -> dict[int, dict[str, Any]]:
     return {e["idx"]: e for e in assert_exactly_once(r, batch_id, n)}
 
 
+def _fails_first(times: int, real: Any) -> Any:
+    """``real`` (a client's own command), whose first ``times`` calls fail as a reset connection does."""
+    calls = []
+
+    def call(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) <= times:
+            raise redis.ConnectionError("injected: Connection reset by peer")
+        return real(*args, **kw)
+    return call
+
+
 def test_a_write_the_server_drops_fails_that_job_alone(r: redis.Redis) -> None:
     """proto-max-bulk-len at 1 MiB: the server refuses each 2 MiB result's write (an error reply, or the
     connection dropped while PING answers: which one depends on timing). Those jobs fail (result_refused),
@@ -123,26 +135,16 @@ def test_one_failed_ping_after_a_dropped_write_is_not_an_outage(r: redis.Redis, 
     the writer asks again and fails that job alone instead of holding every result as if the server were
     down. A server that fails both PINGs is down: the outcome stays held."""
     bid, ds = _held_jobs(r, [json.dumps({"prompt": f"p{i}"}) for i in range(2)])
-    pings = []
-
-    def flaky_ping(fail: int) -> Any:
-        def ping(**kw: Any) -> bool:
-            pings.append(1)
-            if len(pings) <= fail:
-                raise redis.ConnectionError("injected: PING failed")
-            return bool(redis.Redis.ping(r, **kw))
-        return ping
-
+    ping = r.ping
     w = Writer()
     w.add(_outcome(ds[0], "x" * (2 << 20)))
     r.config_set("proto-max-bulk-len", SMALL_BULK)
     try:
-        monkeypatch.setattr(r, "ping", flaky_ping(fail=2))  # down: both PINGs fail
+        monkeypatch.setattr(r, "ping", _fails_first(2, ping))  # down: both PINGs fail
         with pytest.raises(redis.ConnectionError):
             w.flush(r, Scripts(r), time.time())
         assert len(w) == 1 and r.hlen(keys.done(bid)) == 0
-        pings.clear()
-        monkeypatch.setattr(r, "ping", flaky_ping(fail=1))
+        monkeypatch.setattr(r, "ping", _fails_first(1, ping))
         w.add(_outcome(ds[1], "small"))
         w.flush(r, Scripts(r), time.time())
     finally:
@@ -185,25 +187,15 @@ def test_an_outcome_stays_held_when_the_round_trips_after_its_refused_write_fail
     server is taken for down and the outcome is still in the outbox, not lost from it (on CI it was, and
     the job ran a second time once the worker reclaimed it); the next flush fails it alone."""
     bid, ds = _held_jobs(r, [json.dumps({"prompt": f"p{i}"}) for i in range(2)])
-    calls = []
-
-    def exists_fails(times: int) -> Any:
-        def exists(*names: str) -> int:
-            calls.append(names)
-            if len(calls) <= times:
-                raise redis.ConnectionError("injected: Connection reset by peer")
-            return int(redis.Redis.exists(r, *names))
-        return exists
-
+    exists = r.exists
     w = Writer()
     r.config_set("proto-max-bulk-len", SMALL_BULK)
     try:
-        monkeypatch.setattr(r, "exists", exists_fails(1))
+        monkeypatch.setattr(r, "exists", _fails_first(1, exists))
         w.add(_outcome(ds[0], "x" * (2 << 20)))
         w.flush(r, Scripts(r), time.time())
         assert len(w) == 0
-        calls.clear()
-        monkeypatch.setattr(r, "exists", exists_fails(2))
+        monkeypatch.setattr(r, "exists", _fails_first(2, exists))
         w.add(_outcome(ds[1], "x" * (2 << 20)))
         with pytest.raises(redis.ConnectionError, match="injected"):
             w.flush(r, Scripts(r), time.time())
