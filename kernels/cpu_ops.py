@@ -18,6 +18,7 @@ drops it when the holder dies) and whoever holds that removes a ``lock`` no live
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +94,33 @@ def _build_and_load(name: str) -> None:
         if stale.exists():
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink()
-        library = load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
-                                 is_python_module=False, verbose=False)
+        with own_ninja():
+            library = load_extension(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
+                                     is_python_module=False, verbose=False)
     _note_built(name, Path(library))
+
+
+@contextlib.contextmanager
+def own_ninja() -> Iterator[None]:
+    """The ``ninja`` package's binary first on PATH while torch builds: torch runs whichever ``ninja`` PATH
+    finds, and two versions (Debian's 1.11, the wheel's 1.13) log a build's commands under different hashes,
+    so each takes the other's build for stale and rebuilds all of it: 5 minutes on 2 cores, each time a
+    process with the virtual environment's bin/ on PATH (the CLI) and one without (``.venv/bin/python``)
+    took turns."""
+    try:
+        import ninja
+    except ImportError:  # a dependency; without it torch's own search stands
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, before]))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 # A build found once is loaded directly next time: importing torch.utils.cpp_extension (setuptools) and
@@ -206,8 +232,9 @@ def load_variant(source: Path, namespace: str, cflags: list[str] | None = None, 
     copy = build_dir(f"{namespace}_{tag}") / f"{namespace}.cpp"
     if not copy.exists() or copy.read_text() != text:  # a rewrite would make ninja rebuild it every time
         copy.write_text(text)
-    load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False,
-                   extra_include_paths=[str(HEADERS[0].parent)])  # the copy lives elsewhere; common.h stays here
+    with own_ninja():
+        load_extension(name=f"{namespace}_{tag}", sources=[str(copy)], extra_cflags=flags, is_python_module=False,
+                       extra_include_paths=[str(HEADERS[0].parent)])  # the copy lives elsewhere; common.h stays here
     return getattr(getattr(torch.ops, namespace), op)
 
 

@@ -78,3 +78,19 @@ def test_a_noted_build_loads_without_the_build_check_and_a_bad_note_is_not_trust
         again = _load_in_child(home)
         assert again.returncode == 0 and again.stdout.split() == ["loaded", "True"], (bad, again.stderr[-3000:])
         assert json.loads(note.read_text()) == good
+
+
+def test_the_build_check_runs_the_environments_own_ninja_whatever_path_finds_first(tmp_path: Path) -> None:
+    """Another ``ninja`` first on PATH (Debian's 1.11 beside the wheel's 1.13 on CI) took the install's build
+    for stale and rebuilt it, 5 minutes a time; here a stand-in that only records being run."""
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"the C++ op does not build here: {why}")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    (bin_dir / "ninja").chmod(0o755)
+    env = dict(os.environ, SLUICE_HOME=str(tmp_path / "home"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    p = subprocess.run([sys.executable, "-c", FAST], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.split() == ["loaded", "True"], p.stderr[-3000:]  # the build check ran
+    assert not calls.exists(), calls.read_text()
