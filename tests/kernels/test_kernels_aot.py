@@ -30,29 +30,39 @@ KERNELS = {
 
 # About 170 kernels (every variant the engine launches, in three dtypes): minutes on 2 busy cores.
 pytestmark = pytest.mark.timeout(1500)
+DTYPES = ("fp32", "fp16", "bf16")
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One compiler process per dtype, side by side: compiling is single-threaded, and this process only
+    waits (one process for all three took 5 minutes of the suite)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # A fresh cache, so that each kernel is really compiled rather than found from an earlier run.
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.kernels.aot", "--arch", "90", "--stage", "cubin", "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1400,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    logs = tmp_path_factory.mktemp("aot-logs")
+    procs = []
+    for dtype in DTYPES:
+        # A fresh cache, so that each kernel is really compiled rather than found from an earlier run.
+        env_d = {**env, "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp(f"triton-cache-{dtype}"))}
+        with open(logs / f"{dtype}.out", "w") as out, open(logs / f"{dtype}.err", "w") as err:  # files: no pipe fills
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "sluice.kernels.aot", "--arch", "90", "--stage", "cubin", "--json",
+                 "--dtypes", dtype], cwd=ROOT, env=env_d, stdout=out, stderr=err))
+    results = []
+    try:
+        for dtype, proc in zip(DTYPES, procs, strict=True):
+            assert proc.wait(timeout=1400) == 0, (logs / f"{dtype}.err").read_text()[-5000:]
+            out = (logs / f"{dtype}.out").read_text()
+            results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
 
 
 def test_every_kernel_and_dtype_compiles_to_cubin(compiled: list[dict]) -> None:
     assert {r["kernel"] for r in compiled} == KERNELS
-    for dtype in ("fp32", "fp16", "bf16"):
+    for dtype in DTYPES:
         kernels = {r["kernel"] for r in compiled if r["case"].startswith(dtype + "/")}
         assert kernels == KERNELS, dtype
     assert all(r["stage"] == "cubin" for r in compiled)
@@ -61,7 +71,7 @@ def test_every_kernel_and_dtype_compiles_to_cubin(compiled: list[dict]) -> None:
 def test_wrapper_variants_are_covered(compiled: list[dict]) -> None:
     """Every variant the engine can launch: both decode paths (direct and split + merge), each with and
     without sliding window + soft-cap, as prefill; GQA groups 1, 2, 3, 4 and 8 at head dims 64, 128 and 256."""
-    for dtype in ("fp32", "fp16", "bf16"):
+    for dtype in DTYPES:
         split = [r["constexprs"] for r in compiled if r["kernel"] == "_decode_split_kernel"
                  and r["case"].startswith(dtype + "/")]
         assert {(c["DIRECT"], c["SLIDING"], c["SOFT_CAP"]) for c in split} == {
