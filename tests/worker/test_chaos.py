@@ -1,4 +1,4 @@
-"""The chaos run (bench/chaos.py) at suite scale: 500 jobs, 3 worker processes on the tiny model,
+"""The chaos run (bench/chaos.py) at suite scale: 300 jobs, 3 worker processes on the tiny model,
 three kill -9s, a Valkey restart, a stalled results disk, a batch holding a request that breaks the
 engine, a SIGSTOP past the heartbeat TTL and a cancelled batch; every promise of the job plane is
 checked by the script, and its summary again here. The script runs in a
@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ pytest_plugins = ["jobs_fixtures"]
 # Alone it takes about 135 s; on a loaded 2-core machine several times that. Each of its phases has
 # --timeout seconds, so a stuck run fails inside this limit with the phase it was waiting for.
 TIME_LIMIT = 900
+# Every fault comes at a fraction of the batch done, so a smaller batch meets the same faults; 500 jobs took
+# 5 minutes of the suite on 2 cores.
+JOBS = 300
 
 
 def _group(pgid: int) -> list[str]:
@@ -39,6 +43,16 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
+def _settled_group(pgid: int, grace: float = 30.0) -> list[str]:
+    """What of the group still runs ``grace`` seconds after the script ended. A worker killed -9 while it
+    started leaves its own children, which end by themselves: torch's build check of the C++ ops (ninja,
+    seen on CI) finishes a second later, orphaned. A worker or a server would still be there."""
+    end = time.monotonic() + grace
+    while (left := _group(pgid)) and time.monotonic() < end:
+        time.sleep(0.5)
+    return left
+
+
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -53,23 +67,23 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
             out, err = p.communicate()
         pytest.fail(f"chaos.py ran past {TIME_LIMIT}s\n{out[-3000:]}{err[-6000:]}")
     finally:
-        left = _group(p.pid)
+        left = _settled_group(p.pid)
         if left:
             os.killpg(p.pid, signal.SIGKILL)
     assert not left, f"chaos.py left processes running (killed now): {left}"
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def test_chaos_500_jobs_three_workers(sluice_home: Path, tiny_model_dir: Path) -> None:
+def test_chaos_300_jobs_three_workers(sluice_home: Path, tiny_model_dir: Path) -> None:
     seed = fresh_seed()
-    cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--model", str(tiny_model_dir), "--jobs", "500",
+    cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--model", str(tiny_model_dir), "--jobs", str(JOBS),
            "--workers", "3", "--kills", "3", "--min-tokens", "16", "--max-tokens", "48", "--max-num-seqs", "16",
            "--max-deliveries", "5", "--timeout", "300", "--seed", str(seed)]
     p = _run(cmd)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     print(json.dumps(summary, indent=1))
-    assert summary["seed"] == seed and summary["outcomes"] == {"completed": 500}
+    assert summary["seed"] == seed and summary["outcomes"] == {"completed": JOBS}
     assert sum("kill -9 w" in e for e in summary["events"]) == 3
     assert any("SIGSTOP" in e for e in summary["events"]) and any("Valkey" in e for e in summary["events"])
     assert summary["cancelled_batch"].get("cancelled", 0) > 0
