@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,6 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
-def _settled_group(pgid: int, grace: float = 30.0) -> list[str]:
-    """What of the group still runs ``grace`` seconds after the script ended. A worker killed -9 while it
-    started leaves its own children, which end by themselves: torch's build check of the C++ ops (ninja,
-    seen on CI) finishes a second later, orphaned. A worker or a server would still be there."""
-    end = time.monotonic() + grace
-    while (left := _group(pgid)) and time.monotonic() < end:
-        time.sleep(0.5)
-    return left
-
-
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -67,7 +56,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
             out, err = p.communicate()
         pytest.fail(f"chaos.py ran past {TIME_LIMIT}s\n{out[-3000:]}{err[-6000:]}")
     finally:
-        left = _settled_group(p.pid)
+        left = _group(p.pid)
         if left:
             os.killpg(p.pid, signal.SIGKILL)
     assert not left, f"chaos.py left processes running (killed now): {left}"
