@@ -16,7 +16,8 @@ The KV cache (``--kv-cache-memory``) is set to hold only some of the prefixes at
 Systems: arrival (`sluice generate --arrival-order`), planned (`sluice generate`), arrival-2w and
 planned-2w (the batch submitted to a fresh embedded job server, arrival order or planned, and run by two
 `sluice worker` processes pinned to one core and one thread each), vllm (vLLM's CPU build's
-`run_batch`, prefix caching on, in its own venv, bench/vllm_env.sh). Each runs in its own process(es)
+`run_batch`, prefix caching on, in its own venv, bench/vllm_env.sh; timed by its own progress bar, from
+reading the batch to its last line, start-up left out, to 1 s). Each runs in its own process(es)
 on the same file; best of ``--runs``. Prompt tokens computed = prompt tokens - cached prompt tokens, from
 each output line's usage. Minimum: each distinct prefix once per worker (its whole blocks), plus every
 prompt's own remainder. Writes bench/out/prefix-plan-TAG.{json,md}.
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -154,10 +156,26 @@ def run_vllm(src: Path, out: Path, args: argparse.Namespace, log: Path) -> float
            "--kv-cache-memory-bytes", str(parse_size(args.kv_cache_memory)),
            # vLLM refuses a KV cache that cannot hold one sequence of the model's full length (8,192 here)
            "--max-model-len", "4096"]
+    start = log.stat().st_size if log.exists() else 0
     t = time.perf_counter()
     with log.open("ab") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(venv))
-    return time.perf_counter() - t
+    whole = time.perf_counter() - t
+    with log.open("rb") as f:
+        f.seek(start)
+        batch = vllm_batch_seconds(f.read().decode(errors="replace"))
+    # Its batch alone, as the two-worker runs time theirs: vLLM's start-up (about a minute, mostly compiling)
+    # would otherwise be most of its time and flatter us.
+    return batch if batch is not None else whole
+
+
+def vllm_batch_seconds(log_text: str) -> float | None:
+    """run_batch's own time for the batch, from its progress bar's last line (``... | 64/64 [00:31<00:00, ...``)."""
+    done = re.findall(r"Running batch: 100% Completed \| (\d+)/\1 \[(?:(\d+):)?(\d+):(\d+)<", log_text)
+    if not done:
+        return None
+    _, h, m, sec = done[-1]
+    return 3600 * int(h or 0) + 60 * int(m) + int(sec)
 
 
 def parse_size(text: str) -> int:
