@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 from sluice.engine.config import EngineConfig
+from sluice.engine.encoder_linear import fuse_vision_gelu
 from sluice.engine.linear import use_cpu_linear
 from sluice.engine.loader import (
     ModelSource,
@@ -95,6 +96,8 @@ def load_model(config: EngineConfig, clock: StartupClock) -> LoadedModel:
     lora = _lora_manager(config, net, ck)  # before the linear layers are replaced: adapters' targets are read from them
     net = _finish_net(config, net, ck, hf_config, max_len)
     clock.lap("build")
+    if processor is not None:
+        fuse_vision_gelu(cast(torch.nn.Module, net), config.cpu_linear, ck.device, ck.dtype)
     cpu_linear = use_cpu_linear(cast(torch.nn.Module, net), config.cpu_linear, hf_config, ck.device, ck.dtype)
     clock.lap("gemm")
     return LoadedModel(net, ck.device, ck.dtype, ck.model_impl, ck.quant.name, tokenizer, processor, hf_config,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import fresh_seed
+from sluice.engine.linear import onednn_supports
 from sluice.engine.llm import LLM
 from sluice.engine.outputs import Completion, Request
 from sluice.engine.sampling_params import SamplingParams
@@ -125,6 +126,9 @@ def test_matches_generate_under_preemption_and_chunked_prefill(arch: str, reques
     llm = LLM(str(path), dtype="float32", kv_cache_memory=_kv_bytes(text_config, 14), max_num_batched_tokens=24,
               max_num_seqs=6, block_size=BLOCK)
     assert llm.model_impl == "transformers" and llm.vision is not None
+    if arch == "idefics3" and onednn_supports(torch.float32):  # its SigLIP tower's tanh GELU runs fused in oneDNN
+        fc1 = type(llm.vision.hf.model.vision_model.encoder.layers[0].mlp.fc1).__name__
+        assert fc1 == "PackedDenseGelu", fc1
     outs = llm.generate([_request(f"r{i}", t) for i, t in enumerate(lines)])
     for turns, c in zip(lines, outs, strict=True):
         ref.assert_matches(turns, c)
