@@ -81,8 +81,11 @@ def run_pair(workload_name: str, cache: str, args: argparse.Namespace, workload:
 
 
 def markdown(rows: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    from throughput import machine
+    from throughput_report import describe_cpu
+
     lines = [f"# int8 KV cache: tokens/s where KV memory limits the batch ({args.model or 'SmolLM2-135M-Instruct'})",
-             "", f"Command: `{' '.join(['python', *sys.argv])}`; --kv-cache-memory {args.kv_cache_memory}, "
+             "", f"CPU: {describe_cpu(machine())}.", "", f"Command: `{' '.join(['python', *sys.argv])}`; --kv-cache-memory {args.kv_cache_memory}, "
              f"--max-num-seqs {args.max_num_seqs}", "",
              "| workload | KV cache | KV blocks | max batch | preemptions | errors | tok/s | vs 16-bit | same tokens |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -85,9 +85,13 @@ def run_child(args: argparse.Namespace, workload: Path, k: int, round_: int) -> 
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    from throughput import machine
+    from throughput_report import describe_cpu
+
     lines = [f"Dynamic LoRA: {args.num_prompts} prompts x {args.max_tokens} tokens (chat, EOS ignored), rank {args.rank}, "
              f"{args.dtype}, {args.adapters} adapters loaded on demand into {args.max_loras} slots "
-             f"(CPU cache {args.max_cpu_loras}), {args.rounds} round(s)", "",
+             f"(CPU cache {args.max_cpu_loras}), {args.rounds} round(s); {describe_cpu(machine())}", "",
+             f"Command: `python bench/lora_dynamic.py {' '.join(sys.argv[1:])}`", "",
              "| round | lines over | tokens/s | reads from disk | slot loads | vs base, same round |",
              "|---:|---|---:|---:|---:|---:|"]
     ratios = []
