@@ -9,7 +9,8 @@ other ranks run the same call on theirs, so every collective inside the model me
 Dying: a rank that exits (killed, crashed) takes the whole worker down at once, as a kill -9 of the
 worker would: rank 0's watchdog thread sees the exit, stops the other ranks and exits the process
 (a collective waiting on a dead rank cannot be interrupted from Python); the queue hands the jobs it
-held to another worker or its restart. A rank whose parent (rank 0) is gone exits too.
+held to another worker or its restart. So does a rank that dies before it joined the group (rank 0
+would wait in the rendezvous for good). A rank whose parent (rank 0) is gone exits too.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 EXIT_RANK_DIED = 70  # the worker's exit status when a rank died under it
 READY_TIMEOUT_S = 600.0  # loading the model on every rank
+JOIN_GRACE_S = 5.0  # a rank dead this long while rank 0 still joins the group ends the worker
 _ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -94,6 +96,30 @@ class RankProcesses:
 
     def watch(self, interval: float = 0.2) -> None:
         threading.Thread(target=self._watch, args=(interval,), name="tp-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def watch_joining(self, grace: float = JOIN_GRACE_S, interval: float = 0.2) -> Iterator[None]:
+        """While rank 0 joins the group: a rank that died before joining would leave rank 0 in the rendezvous
+        for good (it cannot be interrupted from Python; the metadata group's waits have no practical timeout),
+        so a rank dead for ``grace`` seconds while rank 0 still joins ends the worker, as a death does later.
+        The grace leaves a rank that joined and then failed to load (its error line is wait_ready's to report)
+        to rank 0's join finishing first."""
+        joined = threading.Event()
+
+        def watch() -> None:
+            dead_since: dict[int, float] = {}
+            while not joined.wait(interval):
+                for rank, p in self.procs.items():
+                    if p.poll() is not None:
+                        dead_since.setdefault(rank, time.monotonic())
+                if any(time.monotonic() - t >= grace for t in dead_since.values()) and not joined.is_set():
+                    self._exit_if_one_died()
+
+        threading.Thread(target=watch, name="tp-join-watchdog", daemon=True).start()
+        try:
+            yield
+        finally:
+            joined.set()
 
     def _watch(self, interval: float) -> None:
         while not self.stopping:
@@ -232,7 +258,8 @@ def start(net: nn.Module, shard: Callable[[nn.Module, ParallelState], nn.Module]
                     f"tcp://127.0.0.1:{free_port()}", os.getpid(), threads)
     procs = RankProcesses(spec)
     try:
-        ps = state.init(0, world, spec.init_method, device)
+        with procs.watch_joining():
+            ps = state.init(0, world, spec.init_method, device)
         net = shard(net, ps)
         procs.wait_ready()
     except BaseException:

@@ -178,3 +178,24 @@ def test_a_collective_that_fails_because_a_rank_died_ends_the_worker_as_a_rank_d
         assert out.returncode == EXIT_RANK_DIED and "rank 1" in out.stderr, out.stderr
     else:
         assert out.returncode == 1 and "Connection closed by peer" in out.stderr, out.stderr
+
+
+_DIES_BEFORE_JOINING = """
+import torch
+from sluice.engine.config import EngineConfig
+from sluice.engine.parallel import worker_procs
+
+# Rank 1 dies before it joins the group: it sets its thread count (refused: -1) before the rendezvous.
+worker_procs.rank_threads = lambda device, world: -1
+worker_procs.start(None, lambda net, ps: net, "unused", None, EngineConfig(tensor_parallel_size=2), "aten",
+                   torch.float32, torch.device("cpu"), 64)
+print("rank 0 went on without rank 1")
+"""
+
+
+def test_a_rank_dead_before_joining_the_group_ends_rank_0_instead_of_leaving_it_waiting() -> None:
+    """Injected: rank 1 fails before the group's rendezvous. Rank 0 sat in init_process_group for its 10-minute
+    timeout, then in the metadata group's, which has none; now the worker exits as on any rank's death."""
+    out = subprocess.run([sys.executable, "-c", _DIES_BEFORE_JOINING], capture_output=True, text=True, timeout=120)
+    assert out.returncode == EXIT_RANK_DIED, (out.returncode, out.stderr[-2000:])
+    assert "rank 1" in out.stderr and "set_num_threads" in out.stderr, out.stderr[-2000:]
