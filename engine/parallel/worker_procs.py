@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 EXIT_RANK_DIED = 70  # the worker's exit status when a rank died under it
 READY_TIMEOUT_S = 600.0  # loading the model on every rank
-JOIN_GRACE_S = 5.0  # a rank dead this long while rank 0 still joins the group ends the worker
 _ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -73,6 +72,7 @@ class RankProcesses:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.told: dict[int, str] = {}  # a rank's line read while rank 0 joined (it had died meanwhile)
         self.stopping = False
         for rank in range(1, spec.world_size):
             cmd = [sys.executable, "-m", "sluice.engine.parallel.worker_procs", str(rank), json.dumps(dataclasses.asdict(spec))]
@@ -85,10 +85,12 @@ class RankProcesses:
         deadline = time.monotonic() + timeout
         for rank, p in self.procs.items():
             assert p.stdout is not None
-            left = deadline - time.monotonic()
-            if not select.select([p.stdout], [], [], max(left, 0))[0]:
-                raise RuntimeError(f"tensor-parallel rank {rank} did not load the model within {timeout:.0f}s")
-            line = p.stdout.readline().decode().strip()
+            line = self.told.get(rank)
+            if line is None:
+                left = deadline - time.monotonic()
+                if not select.select([p.stdout], [], [], max(left, 0))[0]:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not load the model within {timeout:.0f}s")
+                line = p.stdout.readline().decode().strip()
             if line != "ready":
                 p.wait(timeout=30)
                 why = line.removeprefix("error: ") or f"it exited with status {p.returncode}"
@@ -98,28 +100,29 @@ class RankProcesses:
         threading.Thread(target=self._watch, args=(interval,), name="tp-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
-    def watch_joining(self, grace: float = JOIN_GRACE_S, interval: float = 0.2) -> Iterator[None]:
+    def watch_joining(self, interval: float = 0.2) -> Iterator[None]:
         """While rank 0 joins the group: a rank that died before joining would leave rank 0 in the rendezvous
         for good (it cannot be interrupted from Python; the metadata group's waits have no practical timeout),
-        so a rank dead for ``grace`` seconds while rank 0 still joins ends the worker, as a death does later.
-        The grace leaves a rank that joined and then failed to load (its error line is wait_ready's to report)
-        to rank 0's join finishing first."""
+        so its death ends the worker, as a death does later. A rank that joined says so before it dies: its
+        line ("ready", or the error that stopped its load) is kept for wait_ready to report."""
         joined = threading.Event()
 
         def watch() -> None:
-            dead_since: dict[int, float] = {}
             while not joined.wait(interval):
                 for rank, p in self.procs.items():
-                    if p.poll() is not None:
-                        dead_since.setdefault(rank, time.monotonic())
-                if any(time.monotonic() - t >= grace for t in dead_since.values()) and not joined.is_set():
+                    if p.poll() is not None and rank not in self.told:
+                        assert p.stdout is not None
+                        self.told[rank] = p.stdout.readline().decode().strip()  # "" at EOF: it said nothing
+                if "" in self.told.values() and not joined.is_set():
                     self._exit_if_one_died()
 
-        threading.Thread(target=watch, name="tp-join-watchdog", daemon=True).start()
+        watcher = threading.Thread(target=watch, name="tp-join-watchdog", daemon=True)
+        watcher.start()
         try:
             yield
         finally:
             joined.set()
+            watcher.join()  # its reads of a dead rank's line are done before wait_ready reads the others
 
     def _watch(self, interval: float) -> None:
         while not self.stopping:
