@@ -54,11 +54,29 @@ def is_vision_config(config: Any) -> bool:
     return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
+def contiguous_patch_embeddings(hf: torch.nn.Module) -> int:
+    """Make the vision tower's patch embeddings come out contiguous; returns how many modules it hooked.
+
+    SigLIP-style towers (Idefics3/SmolVLM, SigLIP) write ``conv(pixels).flatten(2).transpose(1, 2)``: a
+    [tiles, patches, hidden] view with the hidden size as its slowest stride, which every residual add
+    keeps, so each LayerNorm of every layer first copies its input. Made contiguous once, SmolVLM-256M's
+    tower ran 0.94 s per 5-tile image instead of 1.16 (bfloat16, 2-core Xeon with AMX; its LayerNorms
+    0.03 s instead of 0.11).
+    """
+    hooked = 0
+    for module in hf.modules():
+        if type(module).__name__.endswith("VisionEmbeddings"):
+            module.register_forward_hook(lambda _m, _args, out: out.contiguous() if torch.is_tensor(out) else out)
+            hooked += 1
+    return hooked
+
+
 class VisionEncoder:
     """A vision-language model's processor and image encoder, with the encoder's cache."""
 
     def __init__(self, hf: Any, processor: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.hf = hf
+        contiguous_patch_embeddings(hf)
         self.processor = processor
         self.config = config
         self.device = device
@@ -88,20 +106,27 @@ class VisionEncoder:
         images = [img for _, img in loaded]
         if not images:
             return list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]), []
-        enc = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="np")
+        enc = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
         ids = [int(t) for t in enc["input_ids"][0]]
-        items = [self._item(data, img) for data, img in loaded]
+        # One image (the common line): the prompt's processor output is that image's. Several: each image
+        # through the processor alone, to split the tensors per image (its image processing runs twice).
+        items = ([self._item(loaded[0][0], enc)] if len(loaded) == 1 else
+                 [self._item(data, self._process_alone(img)) for data, img in loaded])
         self._place(items, np.flatnonzero(np.asarray(ids) == self.image_token_id))
         return ids, items
 
-    def _item(self, data: bytes, image: Any) -> ImageItem:
-        """One image's processor inputs, and how many image tokens it takes (the processor's expansion of a
-        lone placeholder: the same as inside the prompt)."""
+    def _process_alone(self, image: Any) -> Any:
+        """The processor's output for a lone placeholder and ``image``: its expansion is the same as inside
+        the prompt."""
+        return self.processor(text=[self.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
+
+    def _item(self, data: bytes, out: Any) -> ImageItem:
+        """An image from the processor's output for a text holding it alone: its encoder inputs, and how many
+        image tokens it takes."""
         key = hashlib.sha256(data).hexdigest()
-        one = self.processor(text=[self.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
-        count = int((one["input_ids"][0] == self.image_token_id).sum())
-        inputs = {k: v for k, v in one.items() if k not in _TEXT_KEYS}
-        return ImageItem(key, np.empty(count, dtype=np.int64), inputs, grid=self._grid(one))
+        count = int((out["input_ids"][0] == self.image_token_id).sum())
+        inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
+        return ImageItem(key, np.empty(count, dtype=np.int64), inputs, grid=self._grid(out))
 
     def _grid(self, one: Any) -> tuple[int, int, int] | None:
         """The image's token grid: the processor's patch grid (``image_grid_thw``) merged ``merge_size`` x

@@ -181,3 +181,51 @@ def test_n_samples_share_one_encoding(llava: tuple[Path, Reference]) -> None:
     (c,) = llm.generate([req])
     assert c.error is None and len(c.outputs) == 3
     assert llm.stats["images_encoded"] == 1
+
+
+class _CountingProcessor:
+    """A processor that counts its calls and otherwise is the one it wraps."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_one_image_line_is_processed_once_and_two_per_image(idefics3: tuple[Path, Reference]) -> None:
+    """A one-image line's prompt and encoder inputs come from one processor call (its image processing is
+    most of a line's CPU time outside the model); a line with two images processes each alone too."""
+    path, ref = idefics3
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    a, b = (random_image(rng, rng.randint(30, 90), rng.randint(30, 90)) for _ in range(2))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    assert llm.vision is not None
+    counting = _CountingProcessor(llm.vision.processor)
+    llm.vision.processor = counting
+    one, two = [("user", [a, "what is it?"])], [("user", [a, "and", b])]
+    c1, c2 = llm.generate([_request("one", one, max_new=4), _request("two", two, max_new=4)])
+    assert counting.calls == 1 + 3, f"seed {seed}"
+    for turns, c in ((one, c1), (two, c2)):
+        assert c.error is None, c.error
+        assert c.prompt_token_ids == ref.greedy(turns, max_new=1)[0], f"seed {seed}"
+
+
+def test_tower_layers_get_contiguous_hidden_states(idefics3: tuple[Path, Reference]) -> None:
+    """SigLIP-style patch embeddings are a transposed view; the tower's first LayerNorm sees them contiguous
+    (else every LayerNorm of every layer copies its input first)."""
+    path, _ = idefics3
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    assert llm.vision is not None
+    seen: list[bool] = []
+    layer = llm.vision.hf.model.vision_model.encoder.layers[0]
+    layer.layer_norm1.register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous()))
+    img = random_image(random.Random(fresh_seed()), 60, 40)
+    (c,) = llm.generate([_request("r", [("user", [img, "hi"])], max_new=2)])
+    assert c.error is None, c.error
+    assert seen and all(seen)
