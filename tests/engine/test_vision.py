@@ -229,3 +229,34 @@ def test_tower_layers_get_contiguous_hidden_states(idefics3: tuple[Path, Referen
     (c,) = llm.generate([_request("r", [("user", [img, "hi"])], max_new=2)])
     assert c.error is None, c.error
     assert seen and all(seen)
+
+
+def test_generate_renders_image_lines_on_threads_and_a_bad_one_fails_alone(idefics3: tuple[Path, Reference]) -> None:
+    """generate() renders image lines' prompts on a thread per core before the first step: the prompts are
+    the processor's, and a corrupt image fails its line only."""
+    import threading
+
+    path, ref = idefics3
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    assert llm.vision is not None
+    threads: set[str] = set()
+    render = llm.vision.prompt
+
+    def recording(request: Request) -> Any:
+        threads.add(threading.current_thread().name)
+        return render(request)
+
+    llm.vision.prompt = recording  # type: ignore[method-assign]
+    good = [[("user", [random_image(rng, rng.randint(30, 90), rng.randint(30, 90)), _text(rng, 4)])] for _ in range(4)]
+    corrupt = Request("bad", params=SamplingParams(max_tokens=2), messages=[
+        {"role": "user", "content": [{"type": "image", "url": "data:image/png;base64,aGVsbG8="}, {"type": "text", "text": "x"}]}])
+    reqs = [_request(f"g{i}", t, max_new=2) for i, t in enumerate(good)]
+    outs = llm.generate([reqs[0], corrupt, *reqs[1:]])
+    assert len(threads) >= 2 or torch.get_num_threads() < 2, threads
+    assert all(t.startswith("sluice-render") for t in threads), threads
+    for turns, c in zip(good, [outs[0], *outs[2:5]], strict=True):
+        assert c.error is None, (c.error, seed)
+        assert c.prompt_token_ids == ref.greedy(turns, max_new=1)[0], f"seed {seed}"
+    assert outs[1].error is not None and "image" in outs[1].error.lower(), outs[1].error
