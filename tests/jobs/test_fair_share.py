@@ -11,7 +11,6 @@ import redis
 from helpers import fresh_seed
 from jobs_helpers import ThreadWorker, assert_exactly_once, prompt_lines, result_entries, wait_for
 from reliability_helpers import final, tiny
-from sluice.jobs import keys
 from sluice.jobs.submit import submit
 
 pytest_plugins = ["jobs_fixtures"]
@@ -24,16 +23,18 @@ def test_a_small_batch_behind_a_huge_one_finishes_within_a_bounded_share(r: redi
     small = submit(prompt_lines(10, rng, max_tokens=2), r=r, model="tiny")
     w = ThreadWorker(tiny(tiny_model_dir, max_num_seqs=4), lookahead=2)
     try:
-        wait_for(lambda: final(r, small.id), 300, "the small batch")
-        huge_done = r.hlen(keys.done(huge.id))
-        # Equal shares: the huge batch ran about as many jobs as the small one (plus what one read and the
-        # engine's slots hold); first come first served, it would have run all 400 first.
-        assert huge_done <= 10 + 4 + 4 * 2 + 8, huge_done
-        wait_for(lambda: final(r, huge.id), 600, "the huge batch")
+        wait_for(lambda: final(r, small.id) and final(r, huge.id), 600, "both batches")
     finally:
         w.join()
     assert_exactly_once(r, small.id, 10)
     assert_exactly_once(r, huge.id, 400)
+    # Equal shares: by the time the worker took the small batch's last job it had taken about as many of
+    # the huge batch's (plus what one read and the engine's slots hold); first come first served, it would
+    # have taken all 400 first. Counted from the worker's stamps when it takes a job, not by reading the
+    # done count after the small batch ends, which grew with the machine's speed while the test polled.
+    last_small = max(e["timings"]["started"] for e in result_entries(r, small.id))
+    huge_taken = sum(e["timings"]["started"] <= last_small for e in result_entries(r, huge.id))
+    assert huge_taken <= 10 + 4 + 4 * 2 + 8, huge_taken
 
 
 def test_a_higher_priority_is_not_shared(r: redis.Redis, tiny_model_dir: Path) -> None:
