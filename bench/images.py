@@ -6,6 +6,7 @@ SmolVLM-256M-shaped Idefics3 (random weights, the real shapes: SigLIP 768x12 at 
     python bench/images.py --vllm                        # and vLLM's CPU build (bench/.vllm-venv)
     python bench/images.py --vllm --dtype bfloat16 --runs 2   # bfloat16 (the fast dtype with AMX), best of two
     python bench/images.py --num-lines 4 --max-tokens 4 --tiny --tag images-smoke   # a quick smoke run
+    python bench/images.py --vllm --dtype bfloat16 --runs 2 --skip-transformers   # Sluice and vLLM only
 
 Photos: scikit-image's bundled sample images (skimage.data) where installed, resized and cropped into
 variants; else generated ones (the line says which). The model and the photos are made once under
@@ -191,6 +192,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model of the same widths (smoke runs)")
     p.add_argument("--vllm", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true", help="only Sluice (and vLLM with --vllm): a rerun")
     p.add_argument("--runs", type=int, default=1, help="runs per system; the best is reported")
     p.add_argument("--tag", default="images")
     p.add_argument("--child", nargs=3, metavar=("SYSTEM", "WORKLOAD", "RESULT"), help=argparse.SUPPRESS)
@@ -206,7 +208,7 @@ def main() -> None:
     workload.write_text(json.dumps(w))
     from throughput import machine
 
-    systems = ["sluice", "transformers"] + (["vllm"] if a.vllm else [])
+    systems = ["sluice"] + ([] if a.skip_transformers else ["transformers"]) + (["vllm"] if a.vllm else [])
     results = []
     for system in systems:
         best: dict[str, Any] | None = None
