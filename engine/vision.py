@@ -121,8 +121,8 @@ class VisionEncoder:
         return self.processor(text=[self.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
 
     def _item(self, data: bytes, out: Any) -> ImageItem:
-        """An image from the processor's output for a text holding it alone: its encoder inputs, and how many
-        image tokens it takes."""
+        """An image from the processor's output for a text whose only image it is: its encoder inputs, and how
+        many image tokens it takes (all of that text's)."""
         key = hashlib.sha256(data).hexdigest()
         count = int((out["input_ids"][0] == self.image_token_id).sum())
         inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}

@@ -260,3 +260,19 @@ def test_generate_renders_image_lines_on_threads_and_a_bad_one_fails_alone(idefi
         assert c.error is None, (c.error, seed)
         assert c.prompt_token_ids == ref.greedy(turns, max_new=1)[0], f"seed {seed}"
     assert outs[1].error is not None and "image" in outs[1].error.lower(), outs[1].error
+
+
+@pytest.mark.parametrize("arch", ["llava", "idefics3"])
+def test_a_literal_image_token_in_a_one_image_line_fails_that_line(arch: str, request: pytest.FixtureRequest) -> None:
+    """A one-image line's image takes every image token of its prompt: text that spells the image token
+    (a second placeholder) must fail that line with a clear error, not reach the encoder; the other line runs."""
+    path, _ = request.getfixturevalue(arch)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
+    assert llm.vision is not None
+    img = random_image(random.Random(fresh_seed()), 40, 40)
+    bad = _request("bad", [("user", [img, f"look {llm.vision.image_token} here"])], max_new=2)
+    good = _request("good", [("user", [img, "hi"])], max_new=2)
+    b, g = llm.generate([bad, good])
+    assert b.error is not None and "image" in b.error, b.error
+    assert g.error is None, g.error
+    assert llm.stats["images_encoded"] == 1
