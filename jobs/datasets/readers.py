@@ -327,8 +327,9 @@ def _csv_names(src: Source) -> list[str]:
 def _csv_header(fh: Any, where: str) -> list[str]:
     """The header's names, from the file's first piece (only as much as its first lines)."""
     first = next(_csv_pieces(fh, 1 << 16), b"")
+    header = first[:_first_row_end(first)]  # not the rows under it: a bad one fails alone, later
     try:
-        names = list(pa_csv.open_csv(pa.BufferReader(first)).schema.names)
+        names = list(pa_csv.open_csv(pa.BufferReader(header)).schema.names)
     except pa.ArrowInvalid as e:
         raise SourceError(f"cannot read {where}: {_one_line(e)}") from None
     _check_unique(names, where)
@@ -411,6 +412,16 @@ def _row_end(data: bytes, quotes_before: int) -> int:
             return nl + 1
         end = nl
     return 0
+
+
+def _first_row_end(data: bytes) -> int:
+    """Just past the first newline of ``data`` outside quotes (its length: none)."""
+    start = 0
+    while (nl := data.find(b"\n", start)) >= 0:
+        if data.count(b'"', 0, nl) % 2 == 0:
+            return nl + 1
+        start = nl + 1
+    return len(data)
 
 
 def _decoded(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, dict[int, str]]:

@@ -317,11 +317,13 @@ def test_repeated_column_names_are_refused_naming_them(fmt: str, tmp_path: Path)
 def test_csv_rows_with_the_wrong_field_count_fail_alone_by_their_number(tmp_path: Path) -> None:
     """A row with fewer or more fields than the header (one past the first 4 MiB piece too) fails alone,
     named by its own row number, and every other row of its piece reads as written, a quoted cell with a
-    comma, a newline or a non-UTF-8 byte included (pyarrow refused the whole file: "Expected 2 columns")."""
+    comma, a newline or a non-UTF-8 byte included (pyarrow refused the whole file: "Expected 2 columns"; a
+    bad row among the first lines failed it in reading the header)."""
     seed = fresh_seed()
     rng = random.Random(seed)
     n = rng.randint(9_000, 12_000)
-    short, long_, utf = sorted(rng.sample(range(n), 3))
+    short = rng.randrange(100)  # in the first 64 KiB, the read that finds the header (it failed the file)
+    long_, utf = sorted(rng.sample(range(100, n), 2))
     pad = "x" * 400  # ~4.5 MB in all: more than one CSV piece
     lines = [b"text,keep\n"]
     for i in range(n):
