@@ -18,8 +18,11 @@ class Intake(Generic[State, Out]):
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._rejected)
 
+    def _in_flight(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def _check_new(self, request_id: str) -> None:
-        if request_id in self.requests:
+        if self._in_flight(request_id):
             raise ValueError(f"request id {request_id!r} is already in flight")
 
     def _reject(self, out: Out) -> None:

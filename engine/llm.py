@@ -7,7 +7,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ from sluice.engine.guided import GuidedDecoding
 from sluice.engine.intake import Intake
 from sluice.engine.outputs import Completion, CompletionOutput, Request, Timings, Usage
 from sluice.engine.reasoning import attach_thinking, find_parser, split_output
+from sluice.engine.render_queue import Rendering, RenderQueue
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.startup_clock import StartupClock
@@ -62,6 +62,7 @@ class LLM(Intake[_RequestState, Completion]):
             self.lora.in_use = self.scheduler.lora_in_use  # never evicted from under a running sequence
         self.guided = GuidedDecoding(self.tokenizer, self.text_config.vocab_size, self.eos_ids)
         self.reasoning = find_parser(self.tokenizer, self.config.reasoning_parser)  # think delimiters, or None
+        self.unrendered: RenderQueue[Rendered] = RenderQueue(self._render, torch.get_num_threads())
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.max_running_seen = 0
@@ -93,7 +94,7 @@ class LLM(Intake[_RequestState, Completion]):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.unrendered)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -111,18 +112,31 @@ class LLM(Intake[_RequestState, Completion]):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device); the engine cannot step afterwards."""
+        self.unrendered.close()
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request: Request, rendered: Future[Rendered] | None = None) -> None:
-        """Queue a request. One that is malformed or can never fit comes back from the next ``step()``
-        as a Completion with finish_reason "error"; nothing else is affected. ``rendered``: its prompt, being
-        rendered elsewhere (``generate``'s threads)."""
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that is malformed or can never fit comes back from a later ``step()`` as a
+        Completion with finish_reason "error"; nothing else is affected. A chat request with images has its
+        prompt rendered when the scheduler nears it (engine/render_queue.py), so its errors come later."""
         arrival = time.time()
+        if self._renders_later(request):
+            try:
+                self._check_new(request.request_id)
+            except ValueError as e:
+                self._reject(_error_completion(request, str(e), arrival))
+                return
+            self.unrendered.add(request, arrival)
+            return
+        self._admit(request, arrival)
+
+    def _admit(self, request: Request, arrival: float, rendering: Rendering[Rendered] | None = None) -> None:
+        """Check a request and hand its sequences to the scheduler (a bad one: its error completion)."""
         try:
-            prompt_ids, images = self._prompt_ids(request, rendered)
+            prompt_ids, images = self._prompt_ids(request, rendering)
             mrope = self.vision.rope_positions(prompt_ids, images or []) if self.vision is not None else None
             self._check_token_ids(request)
             self._check_fits(request, prompt_ids)
@@ -142,6 +156,9 @@ class LLM(Intake[_RequestState, Completion]):
 
     def abort(self, request_id: str) -> Completion | None:
         """Stop a request now and free its blocks; returns its partial completion."""
+        unrendered = self.unrendered.remove(request_id)
+        if unrendered is not None:
+            return _empty_completion(unrendered.request, unrendered.arrival, "abort")
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -158,6 +175,8 @@ class LLM(Intake[_RequestState, Completion]):
 
     def step(self) -> list[Completion]:
         """Run one iteration; return the requests that finished in it."""
+        for r in self.unrendered.take(len(self.scheduler.waiting)):
+            self._admit(r.request, r.arrival, r)
         done = self._take_rejected()
         batch = self.scheduler.schedule()
         done += self._fail_unloadable(batch)
@@ -184,11 +203,9 @@ class LLM(Intake[_RequestState, Completion]):
         """Run requests to completion; results in input order. ``on_finish`` sees each as it finishes;
         ``on_step`` (a progress bar: worker/progress.py) each step's finished ones, with a count of the
         tokens sampled so far (summed over the requests in flight, so only when asked)."""
-        requests = list(requests)
-        rendered = self._render_ahead(requests)
         order = []
         for r in requests:
-            self.add_request(r, rendered.get(id(r)))
+            self.add_request(r)
             order.append(r.request_id)
         results: dict[str, Completion] = {}
         finished_tokens = 0
@@ -208,23 +225,28 @@ class LLM(Intake[_RequestState, Completion]):
         """``finished`` (finished requests' tokens) plus those of the requests in flight."""
         return finished + sum(s.num_output_tokens for state in self.requests.values() for s in state.seqs)
 
-    def _render_ahead(self, requests: list[Request]) -> dict[int, Future[Rendered]]:
-        """The prompts of chat requests with images, rendered on a thread per core before the first step (by id()
-        of the request). Loading an image and the processor's resize and normalisation are most of such a
-        request's CPU time outside the model, in PIL and numpy, which let other threads run: one at a time,
-        200 SmolVLM photos took 24 s with the second core idle."""
-        todo = [r for r in requests if self.vision is not None and r.prompt_token_ids is None
-                and r.messages is not None and image_urls(r.messages)]
-        workers = min(torch.get_num_threads(), len(todo))
-        if workers < 2:
-            return {}
-        with ThreadPoolExecutor(workers, thread_name_prefix="sluice-render") as pool:  # returns when all are done
-            return {id(r): pool.submit(self._render, r) for r in todo}
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self.unrendered)
 
-    def _prompt_ids(self, request: Request, rendered: Future[Rendered] | None = None) -> Rendered:
+    def _in_flight(self, request_id: str) -> bool:
+        return super()._in_flight(request_id) or request_id in self.unrendered
+
+    def _renders_later(self, request: Request) -> bool:
+        """A chat request with images: its rendering loads and processes them (engine/render_queue.py)."""
+        return (self.vision is not None and request.prompt_token_ids is None and request.messages is not None
+                and bool(image_urls(request.messages)))
+
+    def _prompt_ids(self, request: Request, rendering: Rendering[Rendered] | None = None) -> Rendered:
         """The prompt's token ids, and a chat request's images (None: no images)."""
         self._check_new(request.request_id)
-        ids, images = rendered.result() if rendered is not None else self._render(request)
+        if rendering is None:
+            ids, images = self._render(request)
+        elif rendering.error is not None:
+            e = rendering.error
+            raise e if isinstance(e, ValueError) else ValueError(f"rendering the prompt failed: {type(e).__name__}: {e}")
+        else:
+            assert rendering.result is not None
+            ids, images = rendering.result
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
@@ -340,7 +362,13 @@ class LLM(Intake[_RequestState, Completion]):
 
 
 def _error_completion(request: Request, message: str, arrival: float) -> Completion:
-    out = CompletionOutput(0, "", [], "error")
-    return Completion(request.request_id, [out], list(request.prompt_token_ids or []), Usage(),
-                      Timings(arrival, None, time.time()), error=message)
+    return _empty_completion(request, arrival, "error", message)
+
+
+def _empty_completion(request: Request, arrival: float, finish: str, error: str | None = None) -> Completion:
+    """A request's completion before any sequence of it ran: one empty output (a failed request), or one
+    per sample (an aborted one)."""
+    outs = [CompletionOutput(i, "", [], finish) for i in range(1 if error is not None else request.params.n)]
+    return Completion(request.request_id, outs, list(request.prompt_token_ids or []), Usage(),
+                      Timings(arrival, None, time.time()), error=error)
 

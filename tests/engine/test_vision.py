@@ -231,9 +231,12 @@ def test_tower_layers_get_contiguous_hidden_states(idefics3: tuple[Path, Referen
     assert seen and all(seen)
 
 
-def test_generate_renders_image_lines_on_threads_and_a_bad_one_fails_alone(idefics3: tuple[Path, Reference]) -> None:
-    """generate() renders image lines' prompts on a thread per core before the first step: the prompts are
-    the processor's, and a corrupt image fails its line only."""
+def test_image_lines_render_in_bursts_on_threads_a_few_ahead_and_a_bad_one_fails_alone(
+        idefics3: tuple[Path, Reference]) -> None:
+    """Image lines added one at a time (as the queue worker adds them) are not rendered when they arrive:
+    each step renders the next few on a thread per core, at most ``ahead`` past the scheduler (a rendered
+    line holds its pixels until encoded). The prompts are the processor's, a corrupt image fails its line
+    only, a line aborted before rendering never renders, and a second line of a waiting line's id is refused."""
     import threading
 
     path, ref = idefics3
@@ -241,25 +244,39 @@ def test_generate_renders_image_lines_on_threads_and_a_bad_one_fails_alone(idefi
     rng = random.Random(seed)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK)
     assert llm.vision is not None
-    threads: set[str] = set()
+    threads: list[str] = []
     render = llm.vision.prompt
 
     def recording(request: Request) -> Any:
-        threads.add(threading.current_thread().name)
+        threads.append(threading.current_thread().name)
         return render(request)
 
     llm.vision.prompt = recording  # type: ignore[method-assign]
-    good = [[("user", [random_image(rng, rng.randint(30, 90), rng.randint(30, 90)), _text(rng, 4)])] for _ in range(4)]
+    n = llm.unrendered.ahead + 4
+    good = [[("user", [random_image(rng, rng.randint(30, 90), rng.randint(30, 90)), _text(rng, 4)])] for _ in range(n)]
     corrupt = Request("bad", params=SamplingParams(max_tokens=2), messages=[
         {"role": "user", "content": [{"type": "image", "url": "data:image/png;base64,aGVsbG8="}, {"type": "text", "text": "x"}]}])
     reqs = [_request(f"g{i}", t, max_new=2) for i, t in enumerate(good)]
-    outs = llm.generate([reqs[0], corrupt, *reqs[1:]])
-    assert len(threads) >= 2 or torch.get_num_threads() < 2, threads
-    assert all(t.startswith("sluice-render") for t in threads), threads
-    for turns, c in zip(good, [outs[0], *outs[2:5]], strict=True):
+    for r in [reqs[0], corrupt, *reqs[1:], _request("gone", good[0], max_new=2)]:
+        llm.add_request(r)
+    assert threads == [] and llm.num_waiting == n + 2, seed
+    llm.add_request(_request("g3", good[3], max_new=2))  # the id of a line still waiting to render
+    aborted = llm.abort("gone")
+    assert aborted is not None and [o.finish_reason for o in aborted.outputs] == ["abort"], aborted
+    done = {c.request_id: c for c in llm.step()}
+    assert len(threads) == llm.unrendered.ahead, (len(threads), seed)  # a burst, not every line
+    assert "already in flight" in (done["g3"].error or ""), done
+    while llm.has_unfinished():
+        done.update((c.request_id, c) for c in llm.step())
+    assert len(threads) == n + 1, seed  # each line once, the aborted one never
+    assert len(set(threads)) >= 2 or torch.get_num_threads() < 2, set(threads)
+    assert all(t.startswith("sluice-render") for t in threads), set(threads)
+    for i, turns in enumerate(good):
+        c = done[f"g{i}"]
         assert c.error is None, (c.error, seed)
         assert c.prompt_token_ids == ref.greedy(turns, max_new=1)[0], f"seed {seed}"
-    assert outs[1].error is not None and "image" in outs[1].error.lower(), outs[1].error
+    assert done["bad"].error is not None and "image" in done["bad"].error.lower(), done["bad"].error
+    assert llm.generate([_request("again", good[0], max_new=2)])[0].prompt_token_ids == done["g0"].prompt_token_ids
 
 
 @pytest.mark.parametrize("arch", ["llava", "idefics3"])
