@@ -9,7 +9,8 @@ Each (workload, cache) pair runs in a fresh process (bench/kv_int8.py --child) o
 (bench/workloads.py's chat and long-prompt workloads, greedy, ``ignore_eos`` so both caches do the same
 work), after a short warm-up, best of ``--repeats`` (2) runs. Reported per pair: output tokens/s, KV blocks for the budget, the most
 sequences running at once (``max_running``: what the budget allowed), preemptions, and prompts whose
-tokens equal the 16-bit run's, and requests that failed (a prompt longer than the whole cache). The default budget (``--kv-cache-memory``, 256MiB) holds about 40 chat
+tokens equal the 16-bit run's, requests that failed (a prompt longer than the whole cache), and the
+seconds spent in steps with prompt tokens and in decode-only steps. The default budget (``--kv-cache-memory``, 256MiB) holds about 40 chat
 sequences of SmolLM2-135M in bfloat16 and about twice that in int8, under ``--max-num-seqs`` 256.
 Timing: run it on a quiet machine. Writes bench/out/TAG.json and TAG.md.
 """
@@ -46,22 +47,47 @@ def run_child(args: argparse.Namespace) -> None:
         return [Request(f"r{i}", prompt_token_ids=p, params=params) for i, p in enumerate(ids)]
 
     llm.generate(requests(w["prompt_token_ids"][:2], 4))  # warm-up: first calls' one-off set-up
+    steps = record_steps(llm)
     best: dict[str, Any] = {}
     for _ in range(args.repeats):  # the best of the runs: a busy moment slows one run, never speeds one up
         before = dict(llm.stats)
+        steps.clear()
         t0 = time.perf_counter()
         done = llm.generate(requests(w["prompt_token_ids"], w["max_tokens"]))
         seconds = time.perf_counter() - t0
         if not best or seconds < best["seconds"]:
-            best = {"seconds": seconds, "done": done, "preemptions": llm.stats["preemptions"] - before["preemptions"]}
+            best = {"seconds": seconds, "done": done, "preemptions": llm.stats["preemptions"] - before["preemptions"],
+                    "steps": list(steps)}
     seconds, done = best["seconds"], best["done"]
+    prompt_steps = [st for st in best["steps"] if st[0] > 0]
+    decode_steps = [st for st in best["steps"] if st[0] == 0]
     out = [c.outputs[0].token_ids for c in done]
     result = {"kv_cache_dtype": args.child, "dtype": str(llm.runner.dtype).removeprefix("torch."), "seconds": seconds,
               "runs": args.repeats, "output_tokens": sum(map(len, out)), "tokens_per_s": sum(map(len, out)) / seconds,
               "kv_blocks": llm.num_total_blocks, "kv_bytes_per_block": llm.runner.bytes_per_block(),
               "max_running": llm.stats["max_running"], "preemptions": best["preemptions"],
-              "errors": sum(c.error is not None for c in done), "tokens": out}
+              "errors": sum(c.error is not None for c in done), "tokens": out,
+              # Where the time went: steps with prompt tokens (their decodes ride along) and decode-only steps.
+              "prompt_step_s": sum(st[2] for st in prompt_steps), "decode_step_s": sum(st[2] for st in decode_steps),
+              "decode_steps": len(decode_steps),
+              "mean_decode_batch": sum(st[1] for st in decode_steps) / max(1, len(decode_steps))}
     Path(args.result).write_text(json.dumps(result))
+
+
+def record_steps(llm: Any) -> list[tuple[int, int, float]]:
+    """(prompt tokens, decoding sequences, seconds) of each model step from now on, in a list kept current."""
+    steps: list[tuple[int, int, float]] = []
+    run = llm.runner.run
+
+    def timed(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = run(batch, *args, **kwargs)
+        prompt = sum(n for n in batch.num_new_tokens if n > 1)
+        steps.append((prompt, sum(n == 1 for n in batch.num_new_tokens), time.perf_counter() - t0))
+        return out
+
+    llm.runner.run = timed
+    return steps
 
 
 def run_pair(workload_name: str, cache: str, args: argparse.Namespace, workload: Path) -> dict[str, Any] | None:
@@ -87,8 +113,9 @@ def markdown(rows: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
     lines = [f"# int8 KV cache: tokens/s where KV memory limits the batch ({args.model or 'SmolLM2-135M-Instruct'})",
              "", f"CPU: {describe_cpu(machine())}.", "", f"Command: `{' '.join(['python', *sys.argv])}`; --kv-cache-memory {args.kv_cache_memory}, "
              f"--max-num-seqs {args.max_num_seqs}", "",
-             "| workload | KV cache | KV blocks | max batch | preemptions | errors | tok/s | vs 16-bit | same tokens |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| workload | KV cache | KV blocks | max batch | preemptions | errors | tok/s | vs 16-bit | same tokens | "
+             "s in prompt steps | s in decode-only steps (steps, mean batch) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, pair in rows.items():
         base = pair.get("auto")
         for cache, r in pair.items():
@@ -96,7 +123,8 @@ def markdown(rows: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
             same = (f"{sum(a == b for a, b in zip(r['tokens'], base['tokens'], strict=True))}/{len(r['tokens'])}"
                     if base else "-")
             lines.append(f"| {name} | {cache} | {r['kv_blocks']} | {r['max_running']} | {r['preemptions']} | "
-                         f"{r['errors']} | {r['tokens_per_s']:.1f} | {speed} | {same} |")
+                         f"{r['errors']} | {r['tokens_per_s']:.1f} | {speed} | {same} | {r['prompt_step_s']:.1f} | "
+                         f"{r['decode_step_s']:.1f} ({r['decode_steps']}, {r['mean_decode_batch']:.1f}) |")
     return "\n".join(lines)
 
 
