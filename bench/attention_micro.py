@@ -35,6 +35,7 @@ sys.path.append(str(ROOT))  # after site-packages: our kernels/ must not hide tr
 import torch  # noqa: E402
 from sluice.engine.attention import allocate_kv, head_major  # noqa: E402
 from sluice.engine.config import EngineConfig  # noqa: E402
+from sluice.engine.kv_quant import quantize_rows  # noqa: E402
 from sluice.kernels.cpu_ops import attention_isa, load_variant, paged_attention  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="gemm,vector", help="this build's kernels to time (gemm, vector)")
     ap.add_argument("--sources", default="", help="other versions of kernels/cpu/paged_attention.cpp to time too")
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                    help="int8: the 8-bit cache (engine/kv_quant.py), rows quantized from the same random values")
     ap.add_argument("--batch", type=int, default=160)
     ap.add_argument("--context", type=int, default=250)
     ap.add_argument("--layers", type=int, default=30)
@@ -66,9 +69,10 @@ def main() -> None:
     num_blocks = args.batch * width + 8
     caches = []
     for _ in range(args.layers):
-        k, v = (allocate_kv(num_blocks, block, hkv, dim, dtype, torch.device("cpu")) for _ in range(2))
-        k.copy_(torch.randn(k.shape))
-        v.copy_(torch.randn(v.shape))
+        cache = torch.int8 if args.kv_cache_dtype == "int8" else dtype
+        k, v = (allocate_kv(num_blocks, block, hkv, dim, cache, torch.device("cpu")) for _ in range(2))
+        for c in (k, v):
+            c.copy_(quantize_rows(torch.randn(*c.shape[:-1], dim)) if cache == torch.int8 else torch.randn(c.shape))
         caches.append((head_major(k), head_major(v)))
     tables = torch.randperm(num_blocks)[: args.batch * width].view(args.batch, width).int()
     seq_lens = torch.tensor([args.context - rng.randrange(40) for _ in range(args.batch)], dtype=torch.int32)
@@ -76,7 +80,7 @@ def main() -> None:
     qsl = torch.cat((torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()))
     q = torch.randn(int(qsl[-1]), hq, dim).to(dtype)
     out = torch.empty_like(q)
-    nbytes = args.layers * int(seq_lens.sum()) * hkv * dim * 2 * q.element_size()
+    nbytes = args.layers * int(seq_lens.sum()) * hkv * caches[0][0].shape[-1] * 2 * caches[0][0].element_size()
     yardstick = torch.rand(nbytes // 4)
 
     def all_layers(op: Any) -> None:
@@ -118,7 +122,7 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; AMX: {'yes' if cpu_has_amx() else 'no'}; attention ISA for {args.dtype}: "
           f"{attention_isa(dtype, dim)}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
     print(f"{args.layers} layers, batch {args.batch}, context ~{args.context}, {args.query_len} query rows each, "
-          f"{args.dtype}: {nbytes / 1e9:.2f} GB of K/V, {flops / 1e9:.1f} GFLOP of attention; best of {args.rounds}")
+          f"{args.dtype}, {args.kv_cache_dtype} cache: {nbytes / 1e9:.2f} GB of K/V, {flops / 1e9:.1f} GFLOP of attention; best of {args.rounds}")
     for name, s in best.items():
         work = gemm_flops if name == "the step's matmuls" else flops
         rate = "" if name.startswith("sum") else f"{work / s / 1e9:7.1f} GFLOP/s"

@@ -112,6 +112,17 @@ inline __m512 hsum16(__m512 a[16]) {
 template <int NC, typename T>
 inline void block_scores16(const float* q, const T* k, int64_t k_tok, int64_t n, int64_t group, float* scores,
                            int64_t stride) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (group > 1) {  // widen the piece's key rows once for the GQA group's heads, not once per head (exact)
+      alignas(64) float kf[16 * NC * 16];
+      for (int64_t j = 0; j < 16; ++j) {
+        const T* row = k + std::min(j, n - 1) * k_tok;
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(kf + (j * NC + c) * 16, load16(row + c * 16));
+      }
+      block_scores16<NC, float>(q, kf, NC * 16, n, group, scores, stride);
+      return;
+    }
+  }
   const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
   for (int64_t g = 0; g < group; ++g) {
     __m512 qv[NC];
