@@ -39,18 +39,23 @@ class RenderQueue(Generic[T]):
         # budget over a few hundred tokens each), and each burst should keep every thread busy.
         self.ahead = max(16, 2 * threads)
         self.pending: deque[Rendering[T]] = deque()
+        self._ids: set[str] = set()  # of pending: a generate() call may hold 100,000 lines here
         self._pool: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return len(self.pending)
 
     def __contains__(self, request_id: str) -> bool:
-        return any(r.request.request_id == request_id for r in self.pending)
+        return request_id in self._ids
 
     def add(self, request: Request, arrival: float) -> None:
         self.pending.append(Rendering(request, arrival))
+        self._ids.add(request.request_id)
 
     def remove(self, request_id: str) -> Rendering[T] | None:
+        if request_id not in self._ids:
+            return None
+        self._ids.discard(request_id)
         for r in self.pending:
             if r.request.request_id == request_id:
                 self.pending.remove(r)
@@ -64,6 +69,7 @@ class RenderQueue(Generic[T]):
         if n <= 0:
             return []
         burst = [self.pending.popleft() for _ in range(n)]
+        self._ids.difference_update(r.request.request_id for r in burst)
         if self.threads < 2 or n == 1:
             for r in burst:
                 self._run(r)
