@@ -59,7 +59,9 @@ class RateSamples:
             if last is None or t - last.t >= MIN_GAP or (batch.is_final and t > last.t):
                 ring.append(s)
             if len(ring) > SIZE:
-                ring = ring[:-1:2] + ring[-1:]  # half the resolution; the latest sample stays
+                # Half the resolution; the latest two samples stay, so the latest rate keeps its span (a final
+                # sample that overflowed the ring made the last rate an average over a longer, older span).
+                ring = ring[:-2:2] + ring[-2:]
             self._rings[batch.id] = ring
             while len(self._rings) > BATCHES:
                 self._rings.popitem(last=False)
