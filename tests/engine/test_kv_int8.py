@@ -174,11 +174,12 @@ def test_triton_write_quantizes_like_pytorch() -> None:
 BACKENDS = engine_backends(["cpu", "torch"])
 # Tokens of int8-cache greedy outputs that agree with the 16-bit cache's before each prompt's first difference.
 # The tiny random model attends sharply (large scores from its wide weights), so a 0.4% error in K/V flips a
-# near-tie now and then, and everything after a flip differs: measured 41-86% over seeds 0-3 (the C++ op; 1-5
-# of 8 prompts identical). A cache that loses or misplaces its scales misses from the first token (the prompt
-# is attended from the cache too): ~0%. 30% tells the two apart; real models agree far more (the note's
-# SmolLM2 numbers, bench/kv_int8_fidelity.py).
-AGREE = 0.3
+# near-tie now and then, and everything after a flip differs: over 8 prompts, 29-80% over seeds 0-39 (the
+# PyTorch fallback; 30% was crossed by 2 of them, and by seed 573140336 at 27%), so the test takes 16 prompts.
+# A cache that loses or misplaces its scales misses from the first token (the prompt is attended from the
+# cache too): ~0%. 15% tells the two apart; real models agree far more (the note's SmolLM2 numbers,
+# bench/kv_int8_fidelity.py).
+AGREE = 0.15
 
 
 def agreeing(a: list[list[int]], b: list[list[int]]) -> float:
@@ -210,7 +211,7 @@ def test_int8_greedy_agrees_with_the_16_bit_cache_under_pressure(tiny: Path, bac
     system prompt (prefix caching) together: int8 outputs agree with the 16-bit cache's beyond AGREE."""
     rng = random.Random(seed := fresh_seed())
     system = random_prompts(rng, 1, 20, 20)[0]
-    prompts = [system + tail for tail in random_prompts(rng, 8, 5, 20)]
+    prompts = [system + tail for tail in random_prompts(rng, 16, 5, 20)]
     ref = greedy(LLM(str(tiny), dtype="float32", kv_cache_memory=32 << 20, attention_backend=backend), prompts)
     roomy = LLM(str(tiny), dtype="float32", kv_cache_memory=32 << 20, attention_backend=backend, kv_cache_dtype="int8")
     assert agreeing(ref, greedy(roomy, prompts)) >= AGREE, f"seed {seed}"
