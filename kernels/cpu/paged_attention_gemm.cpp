@@ -1,12 +1,12 @@
-// Paged attention on the matrix units: a query tile's scores against one block of keys, and the
-// probabilities times that block's values, are two small GEMMs run by oneDNN's batch-reduce GEMM
+// Paged attention on the matrix units: a query tile's scores against a span of keys, and the
+// probabilities times that span's values, are two small GEMMs run by oneDNN's batch-reduce GEMM
 // micro-kernel (at::native::cpublas::brgemm): AMX tiles where the CPU has them, AVX512-BF16 / AVX-512
 // FMA elsewhere. The vector kernel (paged_attention.cpp) does the same arithmetic one dot product at a time.
 //
 // One work item is (query tile, KV head), as in paged_attention.cpp: up to kRun consecutive query rows of
 // one sequence (a decode is a tile of one) times the GQA group of query heads each row has on that KV
-// head, M = rows x group GEMM rows. Per block of keys the tile computes
-//   S [M, n] = Q [M, D] x K^T [D, n]       (K^T packed from the block: a transpose of 32-bit words)
+// head, M = rows x group GEMM rows. Per span of keys (whole blocks, up to kSpan) the tile computes
+//   S [M, n] = Q [M, D] x K^T [D, n]       (K^T packed from the blocks: a transpose of 32-bit words)
 //   online softmax per row of S, in float32, into P [M, n] (the stored dtype)
 //   O [M, D] += P [M, n] x V [n, D]         (V in place in float32; in bfloat16, pairs of rows interleaved)
 // Keys and values are read in their stored dtype, never converted to float32 first. bfloat16 B operands
@@ -16,7 +16,7 @@
 // An int8 cache (engine/kv_quant.py) is dequantized a block at a time into a small scratch in T, then the same
 // GEMMs run on it: the block's bytes still come from memory once per tile, at half the 16-bit size.
 //
-// A row's softmax sums the keys block by block here, in another order than the vector kernel's pieces of
+// A row's softmax sums the keys span by span here, in another order than the vector kernel's pieces of
 // 16, so the two kernels agree within rounding, not to the bit.
 
 #include <torch/extension.h>
@@ -45,11 +45,19 @@ using sluice_cpu::Item;
 using sluice_cpu::Unit;
 using sluice_cpu::to_float;
 
-constexpr int64_t kRun = 32;  // query rows per tile: M = 32 x group rows per GEMM
+constexpr int64_t kRun = 64;  // query rows per tile: M = 64 x group rows per GEMM (32: 5-10% slower)
 
 // bfloat16 operands go to oneDNN in VNNI layout; float32 ones as they are.
 template <typename T>
 constexpr bool kVnni = std::is_same_v<T, at::BFloat16>;
+
+// Keys per GEMM and softmax pass in bfloat16: whole blocks, about this many. A row's softmax has fixed costs
+// per pass (its max and sum reduced across lanes, its output rescaled), which over one 32-key block took
+// twice the two GEMMs' time; over 256 keys they are an eighth of that (bench/attention_micro.py
+// --query-len 512). In float32 a span is one block: the value rows are then used where they lie, and
+// oneDNN's float32 micro-kernel (no AMX) ran slower on wider spans.
+template <typename T>
+constexpr int64_t kSpan = kVnni<T> ? 256 : 1;
 
 // Which dtypes the GEMM kernel takes here: float32 wherever oneDNN's micro-kernel runs (AVX2 and up),
 // bfloat16 where it has a VNNI bfloat16 path (AVX-512 and up; AMX where present). Probed once by a tiny
@@ -73,16 +81,16 @@ bool supported(at::ScalarType dtype) {
   return dtype == torch::kFloat ? f32 : dtype == torch::kBFloat16 ? bf16 : false;
 }
 
-// Per thread: the tile's packed Q, K^T and V, scores, probabilities, output accumulator, softmax state.
+// Per thread: the tile's packed Q, a span's K^T and V, scores, probabilities, output accumulator, softmax state.
 template <typename T>
 struct Scratch {
   std::vector<T> qa, kt, p, vp, kdq, vdq;  // kdq, vdq: an int8 block's keys and values, dequantized
   std::vector<float> s, acc, m, sum;
   std::vector<int64_t> lo, hi;  // each GEMM row's keys: [lo, hi)
-  Scratch(int64_t rows, int64_t group, int64_t dim, int64_t block)
-      : qa(rows * group * dim), kt((block + 1) * dim), p(rows * group * (block + 1)), vp((block + 1) * dim),
+  Scratch(int64_t rows, int64_t group, int64_t dim, int64_t block, int64_t span)
+      : qa(rows * group * dim), kt((span + 1) * dim), p(rows * group * (span + 32)), vp((span + 32) * dim),
         kdq(block * dim), vdq(block * dim),
-        s(rows * group * block), acc(rows * group * dim), m(rows * group), sum(rows * group), lo(rows * group),
+        s(rows * group * span), acc(rows * group * dim), m(rows * group), sum(rows * group), lo(rows * group),
         hi(rows * group) {}
 };
 
@@ -95,16 +103,17 @@ void pack_q(T* qa, const T* qp, const Item* rows, int64_t count, int64_t group, 
       std::copy_n(qp + rows[r].row * q_row + (h * group + g) * q_head, dim, qa + (r * group + g) * dim);
 }
 
-// K^T as the B operand of Q x K^T: [D, n] in float32, [D/2, n, 2] (VNNI) in bfloat16. Either is the
-// transpose of the block's n rows read as 32-bit words (one float, or two adjacent bfloat16 of a row).
+// A block's n keys as columns [col, col + n) of K^T, the B operand of Q x K^T: [D, ld] in float32,
+// [D/2, ld, 2] (VNNI) in bfloat16. Either is the transpose of the rows read as 32-bit words (one float, or
+// two adjacent bfloat16 of a row).
 template <typename T>
-void pack_kt(T* kt, const T* k, int64_t k_tok, int64_t n, int64_t dim) {
+void pack_kt(T* kt, int64_t ld, int64_t col, const T* k, int64_t k_tok, int64_t n, int64_t dim) {
   const int64_t words = dim * static_cast<int64_t>(sizeof(T)) / 4;
-  auto* dst = reinterpret_cast<uint32_t*>(kt);
+  auto* dst = reinterpret_cast<uint32_t*>(kt) + col;
   for (int64_t j = 0; j < n; ++j) {
     const auto* src = reinterpret_cast<const uint32_t*>(k + j * k_tok);
 #pragma omp simd
-    for (int64_t w = 0; w < words; ++w) dst[w * n + j] = src[w];
+    for (int64_t w = 0; w < words; ++w) dst[w * ld + j] = src[w];
   }
 }
 
@@ -134,11 +143,16 @@ inline void pack_v(at::BFloat16* vp, const at::BFloat16* v, int64_t v_tok, int64
 }
 
 #if defined(__AVX512F__)
-// Sixteen finite floats as bfloat16, rounded to nearest even as c10's conversion does.
+// Sixteen finite floats as bfloat16, rounded to nearest even as c10's conversion does (one instruction
+// where the CPU has AVX512-BF16; none of these values is subnormal, which it would flush).
 inline __m256i round_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
 }
 #endif
 
@@ -168,10 +182,11 @@ void dequantize_block(T* dst, const int8_t* src, int64_t tok, int64_t n, int64_t
   }
 }
 
-// One row's scores s[lo, hi) scaled (and soft-capped) in place; returns their max.
-inline float scale_row(float* s, int64_t lo, int64_t hi, float scale, float cap) {
+// The max of one row's scores s[lo, hi) times scale (> 0): the scores stay as they are. Soft-capped
+// (Gemma 2), they are first replaced by cap * tanh(s * scale / cap) (and read with scale 1 after).
+inline float row_max(float* s, int64_t lo, int64_t hi, float scale, float cap) {
   float mx = -INFINITY;
-  if (cap > 0.f) {  // soft-capped scores, as Gemma 2 defines them
+  if (cap > 0.f) {
     for (int64_t j = lo; j < hi; ++j) {
       s[j] = cap * std::tanh(s[j] * scale / cap);
       mx = std::max(mx, s[j]);
@@ -180,37 +195,31 @@ inline float scale_row(float* s, int64_t lo, int64_t hi, float scale, float cap)
   }
 #if defined(__AVX512F__)
   __m512 vmax = _mm512_set1_ps(-INFINITY);
-  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j = lo; j < hi; j += 16) {
     const __mmask16 keep = static_cast<__mmask16>(hi - j >= 16 ? 0xFFFFu : (1u << (hi - j)) - 1u);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, s + j), vscale);
-    _mm512_mask_storeu_ps(s + j, keep, x);
-    vmax = _mm512_mask_max_ps(vmax, keep, vmax, x);
+    vmax = _mm512_mask_max_ps(vmax, keep, vmax, _mm512_maskz_loadu_ps(keep, s + j));
   }
-  return _mm512_reduce_max_ps(vmax);
+  mx = _mm512_reduce_max_ps(vmax);
 #else
-  for (int64_t j = lo; j < hi; ++j) {
-    s[j] *= scale;
-    mx = std::max(mx, s[j]);
-  }
-  return mx;
+  for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
 #endif
+  return mx * scale;
 }
 
-// p[j] = exp(s[j] - now) stored in T for j in [lo, hi), zero elsewhere in [0, n2); returns the sum of the
-// stored (rounded) values, so that rounding P cancels out of the normalisation.
+// p[j] = exp(s[j] * scale - now) stored in T for j in [lo, hi), zero elsewhere in [0, n2); returns the sum
+// of the stored (rounded) values, so that rounding P cancels out of the normalisation.
 template <typename T>
-inline float exp_row(const float* s, float now, int64_t lo, int64_t hi, int64_t n2, T* p) {
+inline float exp_row(const float* s, float scale, float now, int64_t lo, int64_t hi, int64_t n2, T* p) {
 #if defined(__AVX512F__)
   __m512 total = _mm512_setzero_ps();
-  const __m512 vnow = _mm512_set1_ps(now);
+  const __m512 vnow = _mm512_set1_ps(now), vscale = _mm512_set1_ps(scale);
   for (int64_t j = 0; j < n2; j += 16) {
     const int64_t a = std::max<int64_t>(lo - j, 0), b = std::min<int64_t>(hi - j, 16);
     const uint32_t below_b = b >= 16 ? 0xFFFFu : (b > 0 ? (1u << b) - 1u : 0u);
     const __mmask16 valid = static_cast<__mmask16>(below_b & ~((1u << std::min<int64_t>(a, 16)) - 1u));
     const __mmask16 store = static_cast<__mmask16>(n2 - j >= 16 ? 0xFFFFu : (1u << (n2 - j)) - 1u);
     const __m512 x = _mm512_maskz_loadu_ps(valid, s + j);
-    __m512 e = _mm512_maskz_mov_ps(valid, sluice_cpu::exp16(_mm512_sub_ps(x, vnow)));
+    __m512 e = _mm512_maskz_mov_ps(valid, sluice_cpu::exp16(_mm512_fmsub_ps(x, vscale, vnow)));
     if constexpr (std::is_same_v<T, float>) {
       _mm512_mask_storeu_ps(p + j, store, e);
     } else {  // rounded (the values are finite); the sum adds the values as stored
@@ -224,7 +233,7 @@ inline float exp_row(const float* s, float now, int64_t lo, int64_t hi, int64_t 
 #else
   float total = 0.f;
   for (int64_t j = 0; j < n2; ++j) {
-    const T e = j >= lo && j < hi ? T(fast_exp(s[j] - now)) : T(0.f);
+    const T e = j >= lo && j < hi ? T(fast_exp(s[j] * scale - now)) : T(0.f);
     p[j] = e;
     total += to_float(e);
   }
@@ -245,7 +254,7 @@ void softmax_block(Scratch<T>& sc, int64_t M, int64_t t, int64_t n, int64_t n2, 
       continue;
     }
     float* s = sc.s.data() + row * n;
-    const float mx = scale_row(s, lo, hi, scale, cap);
+    const float mx = row_max(s, lo, hi, scale, cap);
     const float old = sc.m[row], now = std::max(old, mx);
     if (now > old) {
       const float alpha = fast_exp(old - now);  // old == -inf: 0, and acc and sum are 0 anyway
@@ -255,7 +264,7 @@ void softmax_block(Scratch<T>& sc, int64_t M, int64_t t, int64_t n, int64_t n2, 
       for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
       sc.m[row] = now;
     }
-    sc.sum[row] += exp_row(s, now, lo, hi, n2, p);
+    sc.sum[row] += exp_row(s, cap > 0.f ? 1.f : scale, now, lo, hi, n2, p);
   }
 }
 
@@ -286,7 +295,9 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
 
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch<T> sc(plan.max_rows, group, dim, block_size);
+    // (An odd block size would split a VNNI pair of value rows across two blocks: one block a span then.)
+    const int64_t span = block_size % 2 ? block_size : std::max<int64_t>(1, kSpan<T> / block_size) * block_size;
+    Scratch<T> sc(plan.max_rows, group, dim, block_size, span);
     int64_t i;
     while ((i = next.fetch_add(1, std::memory_order_relaxed)) < num_work) {
       const Unit& unit = units[i / num_kv_heads];
@@ -306,29 +317,51 @@ void attend(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       const int32_t* table = tables + rows[0].seq * table_row;
       const C* k_base = kp + h * k_head;
       const C* v_base = vp + h * v_head;
-      for (int64_t t = first - first % block_size; t <= last; t += block_size) {
-        const int64_t block = table[t / block_size];
-        const int64_t n = std::min(block_size, last + 1 - t);
-        const int64_t n2 = kVnni<T> ? n + (n & 1) : n;  // VNNI pairs keys: an even depth for P x V
-        const T* k;
-        const T* v;
-        if constexpr (quant) {
-          dequantize_block(sc.kdq.data(), k_base + block * k_block, k_cache.stride(2), n, dim);
-          dequantize_block(sc.vdq.data(), v_base + block * v_block, v_cache.stride(2), n, dim);
-          k = sc.kdq.data();
-          v = sc.vdq.data();
-        } else {
-          k = k_base + block * k_block;
-          v = v_base + block * v_block;
+      // Spans of whole blocks at multiples of the span (so a row's keys fall into the same spans, at the same
+      // columns, in any tile: its result does not depend on the tile), packed block by block (an int8 block
+      // dequantized first); then one GEMM, one softmax pass and one more GEMM over the span. Blocks before the
+      // tile's first key are zeros: no row reads them, and a sliding window may have let them go.
+      for (int64_t t = first - first % span; t <= last; t += span) {
+        const int64_t n = std::min(span, last + 1 - t);
+        // P x V's depth: in bfloat16, whole chunks of 32 keys (zeros past n), the matrix units' step: a
+        // shorter last chunk is summed in another order, and a row's result would depend on its tile.
+        const int64_t n2 = kVnni<T> ? (n + 31) / 32 * 32 : n;
+        const T* v_span = nullptr;
+        for (int64_t b = 0; b < n; b += block_size) {
+          const int64_t nb = std::min(block_size, n - b);
+          if (t + b + nb <= first) {
+            for (int64_t w = 0; w < dim * static_cast<int64_t>(sizeof(T)) / 4; ++w)
+              std::fill_n(reinterpret_cast<uint32_t*>(sc.kt.data()) + w * n + b, nb, 0u);
+            std::fill_n(sc.vp.data() + b * dim, nb * dim, T(0.f));
+            continue;
+          }
+          const int64_t block = table[(t + b) / block_size];
+          const T* k;
+          const T* v;
+          if constexpr (quant) {
+            dequantize_block(sc.kdq.data(), k_base + block * k_block, k_cache.stride(2), nb, dim);
+            dequantize_block(sc.vdq.data(), v_base + block * v_block, v_cache.stride(2), nb, dim);
+            k = sc.kdq.data();
+            v = sc.vdq.data();
+          } else {
+            k = k_base + block * k_block;
+            v = v_base + block * v_block;
+          }
+          pack_kt(sc.kt.data(), n, b, k, k_tok, nb, dim);
+          if constexpr (kVnni<T>) {
+            // Blocks hold an even number of keys except perhaps the span's last, so pairs stay within blocks.
+            pack_v(sc.vp.data() + b * dim, v, v_tok, nb, nb + (nb & 1), dim);
+          } else {
+            v_span = v;  // float32: a span is one block
+          }
         }
-        pack_kt(sc.kt.data(), k, k_tok, n, dim);
         cpublas::brgemm(M, n, dim, dim, n, n, false, sc.qa.data(), sc.kt.data(), sc.s.data(), kVnni<T>);
         softmax_block(sc, M, t, n, n2, dim, fscale, cap);
         if constexpr (kVnni<T>) {
-          pack_v(sc.vp.data(), v, v_tok, n, n2, dim);
+          std::fill(sc.vp.begin() + (n + (n & 1)) * dim, sc.vp.begin() + n2 * dim, T(0.f));
           cpublas::brgemm(M, dim, n2, n2, dim, dim, true, sc.p.data(), sc.vp.data(), sc.acc.data(), true);
         } else {
-          cpublas::brgemm(M, dim, n, n2, v_tok, dim, true, sc.p.data(), v, sc.acc.data(), false);
+          cpublas::brgemm(M, dim, n, n2, v_tok, dim, true, sc.p.data(), v_span, sc.acc.data(), false);
         }
       }
       for (int64_t r = 0; r < count; ++r)
