@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 CPU_LINEAR = ("auto", "aten", "onednn-packed", "fp32-compute")
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATIONS = ("auto", "int8", "w8a8", "int4")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # fp8 is named so that asking for it gets a reason, not a usage error
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # fp8: vLLM's and SGLang's name for an 8-bit cache, kept as int8 here
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
@@ -99,10 +99,11 @@ class EngineConfig:
                                        "weights leave (quantized weights leave more). --kv-cache-memory wins where "
                                        "both are set.")
     # KV cache (engine/kv_quant.py): auto = the model's dtype | int8 (a scale per token and KV head; about twice
-    # the blocks for the same kv_cache_memory).
+    # the blocks for the same kv_cache_memory) | fp8, which other engines' configs name: the same int8 cache.
     kv_cache_dtype: str = option("auto", envvar="SLUICE_KV_CACHE_DTYPE", choices=KV_CACHE_DTYPES, help="KV cache: "
                                  "auto (the model's dtype) or int8 (a scale per token and KV head: about twice the "
-                                 "sequences for the same --kv-cache-memory). fp8: not yet.")
+                                 "sequences for the same --kv-cache-memory). fp8 is taken as int8: the same 8 bits "
+                                 "a value, in finer steps than e4m3's (e4m3 storage is not built).")
     # LoRA adapters (engine/lora/): name -> peft folder; requests name one in Request.lora. At most
     # max_loras of them in memory and in one step's batch; ranks up to max_lora_rank.
     lora_modules: dict[str, str] | None = option(None, name="--lora", kind="lora", repeat=True, metavar="NAME=PATH",
@@ -149,9 +150,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError("--kv-cache-dtype fp8 is not implemented: use int8 (8 bits a value too, with a scale "
-                             "per token and KV head)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.serves_lora or self.quantization != "auto"):

@@ -50,6 +50,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)  # what the cache holds: dtype, or int8
+        if config.kv_cache_dtype == "fp8":
+            log.info("--kv-cache-dtype fp8: the KV cache holds int8 with a scale per token and KV head (e4m3 storage "
+                     "is not built; int8's steps are finer for the same bytes)")
         self.block_size = config.block_size
         # The engine's own length limit (the model's, or max_model_len where smaller): positions run
         # 0..max_model_len-1, whichever path implements the model; the native rotary tables end there too.
