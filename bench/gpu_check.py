@@ -8,7 +8,8 @@ is made (``--out``, default ``$OUT`` where set, else bench/out), so a run stoppe
 keeps every row it made; the table printed last repeats them. Sections:
 1. correctness of each kernel in bf16 and fp16 against the float64 PyTorch reference: decode by the
    heuristic's splits, 3 splits and 1 split (the direct path), prefill, sliding window with soft-cap,
-   head_dim 256 (Gemma), and the engine's head-major cache past 2**31 elements (int64 offsets);
+   head_dim 256 (Gemma), the engine's head-major cache past 2**31 elements (int64 offsets), and the 8-bit
+   cache (--kv-cache-dtype int8): the write's bytes, decode and prefill reading it;
 2. decode attention time and achieved bandwidth (bytes of K/V read / time) for batch 64 and 256 at
    context 512, 2k and 8k, against the device's copy bandwidth, with a sweep of split counts (to tune
    the heuristic) and torch SDPA on contiguous K/V as a yardstick; one prefill timing too;

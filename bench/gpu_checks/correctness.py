@@ -87,7 +87,37 @@ def _check_case(
     errs["prefill_window_softcap"] = relative_error(
         out, paged_attention_reference(qp, k_cache, v_cache, tables, lens, qlens, scale, **extra)
     )
+    errs.update(_check_int8(key, value, slots, q, qp, qsl, tables, lens, qlens, num_blocks, bs, scale))
     return errs
+
+
+def _check_int8(key: Any, value: Any, slots: Any, q: Any, qp: Any, qsl: Any, tables: Any, lens: list[int],
+                qlens: list[int], num_blocks: int, bs: int, scale: float) -> dict[str, float]:
+    """The 8-bit cache (--kv-cache-dtype int8): the Triton write's bytes against engine/kv_quant.py's on the
+    CPU (0 or inf), decode and prefill reading it against the reference over the dequantized cache."""
+    import torch
+    from sluice.engine.attention import allocate_kv
+    from sluice.engine.kv_quant import dequantize_rows, quantize_rows
+    from sluice.kernels.kv_write import store_kvcache
+    from sluice.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+    from sluice.kernels.reference import paged_attention_reference, relative_error
+
+    hkv, d = key.shape[1], key.shape[2]
+    kq, vq = (allocate_kv(num_blocks, bs, hkv, d, torch.int8, key.device).zero_() for _ in range(2))
+    store_kvcache(key, value, kq, vq, slots)
+    # A quotient may round the other way on the GPU: a value one step off counts as written right.
+    written = all((cache.reshape(-1, hkv, cache.shape[-1])[slots].cpu().int() - quantize_rows(x.cpu()).int())
+                  [..., :d].abs().max() <= 1 for cache, x in ((kq, key), (vq, value)))
+    k64, v64 = dequantize_rows(kq, torch.float64), dequantize_rows(vq, torch.float64)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=q.device)
+    ref = paged_attention_reference(q, k64, v64, tables, lens, [1] * len(lens), scale)
+    pre = paged_prefill_attention(qp, kq, vq, tables, qsl, seq_lens, max(qlens), scale)
+    return {
+        "kv_write_int8": 0.0 if written else float("inf"),
+        "decode_int8": relative_error(paged_decode_attention(q, kq, vq, tables, seq_lens, scale), ref),
+        "decode_int8_3_splits": relative_error(paged_decode_attention(q, kq, vq, tables, seq_lens, scale, 3), ref),
+        "prefill_int8": relative_error(pre, paged_attention_reference(qp, k64, v64, tables, lens, qlens, scale)),
+    }
 
 
 def head_major_cache(plan: Plan, num_blocks: int, bs: int, hkv: int, d: int, dtype: Any) -> Any:
