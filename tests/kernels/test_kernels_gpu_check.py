@@ -33,7 +33,8 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     by = {s: [r for r in rows if r["section"] == s] for s in {r["section"] for r in rows}}
     correctness = by["correctness"]
     kernels = {"kv_write", "decode", "decode_3_splits", "decode_1_split", "decode_window_softcap", "prefill",
-               "prefill_window_softcap", "head_major_int64"}
+               "prefill_window_softcap", "head_major_int64", "kv_write_int8", "decode_int8", "decode_int8_3_splits",
+               "prefill_int8"}
     assert {r["item"] for r in correctness} == {f"{k} {d}" for k in kernels for d in ("float32", "float16")}
     assert all(r["result"] == "PASS" and r["error"] <= r["tol"] for r in correctness), correctness
     assert sum(r["item"].startswith("B=2 ") for r in by["decode"]) == 2
